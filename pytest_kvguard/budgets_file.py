@@ -1,0 +1,347 @@
+"""The budgets file: a versioned YAML list of checks, validated with file:line errors.
+
+Schema (version 1)::
+
+    version: 1
+    defaults:            # optional; merged under every check (params and budgets key by key)
+      engine: llama_cpp
+      model: smollm2-135m
+    checks:
+      - name: smollm2-sink4          # unique; becomes the pytest item name
+        scenario: stream             # default: stream
+        engine: llama_cpp
+        model: smollm2-135m          # bundled short name, or a path to a .gguf (relative to this file)
+        policy: sink                 # full | window | sink
+        baseline: full               # the policy the delta is measured against (default: full)
+        params: {tokens: 1500, cap: 256, sinks: 4, positions: reindexed, evict_step: 1, text: pydoc}
+        budgets: {max_ppl_increase_pct: 25, max_post_eviction_ppl: 14}
+        expect: pass                 # or "violation": a negative control that must break a budget
+        reason: why a violation is expected (required with expect: violation)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pytest_kvguard.budgets import Budgets, unknown_key_error
+from pytest_kvguard.engines import require_installed
+from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.models import ModelRef, parse_model
+from pytest_kvguard.policies import Policy, make_policy
+from pytest_kvguard.scenarios.stream import check_reaches_eviction
+from pytest_kvguard.texts import DEFAULT_TEXT
+
+SCHEMA_VERSION = 1
+SCENARIOS = {"stream": "feed a long text far past the cache's capacity, score every next token"}
+CHECK_KEYS = [
+    "name", "scenario", "engine", "model", "policy", "baseline", "params", "budgets", "expect",
+    "reason",
+]  # fmt: skip
+DEFAULT_KEYS = ["scenario", "engine", "model", "baseline", "params", "budgets"]
+STREAM_PARAMS = {
+    "tokens": "token ids fed (default 1500)",
+    "cap": "KV entries kept per layer, sinks included",
+    "sinks": "pinned leading tokens (sink policy; default 4)",
+    "positions": "reindexed (llama.cpp context shift) or absolute (default reindexed)",
+    "evict_step": "tokens dropped per eviction (default 1)",
+    "text": f"'{DEFAULT_TEXT}' (CPython's pydoc topics) or a UTF-8 file (default {DEFAULT_TEXT})",
+}
+EXPECTATIONS = ("pass", "violation")
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+class _Located(dict[Any, Any]):
+    """A YAML mapping that remembers the line of itself and of each key."""
+
+    line: int
+    key_lines: dict[Any, int]
+
+
+class _LineLoader(yaml.SafeLoader):
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        mapping = _Located(super().construct_mapping(node, deep=True))
+        mapping.line = node.start_mark.line + 1
+        mapping.key_lines = {
+            self.construct_object(key, deep=True): key.start_mark.line + 1 for key, _ in node.value
+        }
+        return mapping
+
+
+_LineLoader.add_constructor(
+    yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _LineLoader.construct_mapping
+)
+
+
+@dataclass(frozen=True)
+class Check:
+    """One declared check: a scenario on an engine and model, under a policy, with budgets."""
+
+    name: str
+    scenario: str
+    engine: str
+    model: ModelRef
+    policy: Policy
+    baseline: Policy
+    tokens: int
+    text: str
+    budgets: Budgets
+    expect_violation: bool
+    reason: str | None
+    path: Path
+    line: int
+
+    @property
+    def location(self) -> str:
+        return f"{self.path}:{self.line}"
+
+
+@dataclass(frozen=True)
+class BudgetsFile:
+    path: Path
+    sha256: str
+    checks: tuple[Check, ...]
+
+
+def load_budgets_file(path: Path) -> BudgetsFile:
+    """Parse and validate a budgets file; every problem is a KvguardError naming file and line."""
+    try:
+        raw_bytes = path.read_bytes()
+    except OSError as exc:
+        raise KvguardError(
+            f"cannot read budgets file: {exc.strerror}", path=path, fix="pass an existing YAML file"
+        ) from None
+    try:
+        document = yaml.load(raw_bytes.decode("utf-8"), Loader=_LineLoader)  # noqa: S506
+    except UnicodeDecodeError:
+        raise KvguardError("budgets file is not UTF-8 text", path=path) from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise KvguardError(
+            f"malformed YAML: {problem}",
+            path=path,
+            line=mark.line + 1 if mark else None,
+            fix="check indentation, colons and quoting on this line",
+        ) from None
+    if not isinstance(document, _Located):
+        raise KvguardError(
+            "a budgets file must be a mapping with 'version' and 'checks'",
+            path=path,
+            line=1,
+            fix="start the file with 'version: 1' and a 'checks:' list",
+        )
+    _reject_unknown(document, ["version", "defaults", "checks"], "top-level key", path)
+    version = document.get("version")
+    if version != SCHEMA_VERSION:
+        raise KvguardError(
+            f"unsupported budgets file version {version!r}",
+            path=path,
+            line=document.key_lines.get("version", document.line),
+            fix=f"set version: {SCHEMA_VERSION}",
+        )
+    defaults = document.get("defaults") or _Located()
+    if not isinstance(defaults, _Located):
+        raise _type_error("defaults", "a mapping", defaults, path, document.key_lines["defaults"])
+    _reject_unknown(defaults, DEFAULT_KEYS, "defaults key", path)
+    checks = document.get("checks")
+    if not isinstance(checks, list) or not checks:
+        raise KvguardError(
+            "'checks' must be a non-empty list",
+            path=path,
+            line=document.key_lines.get("checks", document.line),
+            fix="add at least one check under 'checks:'",
+        )
+    parsed: list[Check] = []
+    seen: dict[str, int] = {}
+    for index, entry in enumerate(checks):
+        if not isinstance(entry, _Located):
+            raise KvguardError(
+                f"check #{index + 1} must be a mapping", path=path, line=document.key_lines["checks"]
+            )
+        check = _parse_check(entry, defaults, path)
+        if check.name in seen:
+            raise KvguardError(
+                f"duplicate check name '{check.name}' (first on line {seen[check.name]})",
+                path=path,
+                line=check.line,
+                fix="give every check a unique name",
+            )
+        seen[check.name] = check.line
+        parsed.append(check)
+    return BudgetsFile(path, hashlib.sha256(raw_bytes).hexdigest(), tuple(parsed))
+
+
+def _reject_unknown(mapping: _Located, known: list[str], kind: str, path: Path) -> None:
+    for key in mapping:
+        if key not in known:
+            raise unknown_key_error(kind, str(key), known).located(path, mapping.key_lines[key])
+
+
+def _is_budget_value(name: Any, value: Any) -> bool:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return name in Budgets.names() and number and value >= 0
+
+
+def _type_error(key: str, wanted: str, value: Any, path: Path, line: int) -> KvguardError:
+    return KvguardError(
+        f"{key} must be {wanted}, got {value!r}", path=path, line=line, fix=f"write {key} as {wanted}"
+    )
+
+
+def _merged(defaults: _Located, entry: _Located, key: str, path: Path) -> _Located:
+    """defaults[key] overlaid with entry[key], remembering each key's own line."""
+    merged = _Located()
+    merged.line, merged.key_lines = entry.line, {}
+    for source in (defaults, entry):
+        value = source.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, _Located):
+            raise _type_error(key, "a mapping", value, path, source.key_lines[key])
+        merged.update(value)
+        merged.key_lines.update(value.key_lines)
+    return merged
+
+
+def _parse_check(entry: _Located, defaults: _Located, path: Path) -> Check:
+    _reject_unknown(entry, CHECK_KEYS, "check key", path)
+
+    def line_of(key: str, mapping: _Located = entry) -> int:
+        return mapping.key_lines.get(key, entry.line)
+
+    def text_field(key: str, default: str | None = None) -> str:
+        value = entry.get(key, defaults.get(key, default))
+        if value is None:
+            raise KvguardError(
+                f"check is missing '{key}'", path=path, line=entry.line, fix=f"add '{key}: ...'"
+            )
+        if not isinstance(value, str):
+            raise _type_error(key, "a string", value, path, line_of(key))
+        return value
+
+    name = text_field("name")
+    if not NAME_PATTERN.match(name):
+        raise KvguardError(
+            f"check name '{name}' has characters pytest ids cannot carry",
+            path=path,
+            line=line_of("name"),
+            fix="use letters, digits, '.', '_' and '-'",
+        )
+    scenario = text_field("scenario", "stream")
+    if scenario not in SCENARIOS:
+        raise unknown_key_error("scenario", scenario, list(SCENARIOS)).located(
+            path, line_of("scenario")
+        )
+    engine = text_field("engine")
+    try:
+        require_installed(engine)
+    except KvguardError as exc:
+        raise exc.located(path, line_of("engine")) from None
+    try:
+        model = parse_model(text_field("model"), path.parent)
+    except KvguardError as exc:
+        raise exc.located(path, line_of("model")) from None
+
+    params = _merged(defaults, entry, "params", path)
+    for key in params:
+        if key not in STREAM_PARAMS:
+            raise unknown_key_error("stream parameter", str(key), list(STREAM_PARAMS)).located(
+                path, params.key_lines[key]
+            )
+
+    def int_param(key: str, default: int | None) -> int | None:
+        value = params.get(key, default)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise _type_error(f"params.{key}", "an integer", value, path, params.key_lines[key])
+        return value
+
+    def str_param(key: str, default: str) -> str:
+        value = params.get(key, default)
+        if not isinstance(value, str):
+            raise _type_error(f"params.{key}", "a string", value, path, params.key_lines[key])
+        return value
+
+    tokens = int_param("tokens", 1500)
+    assert tokens is not None
+
+    def policy_for(key: str, default: str | None) -> Policy:
+        kind = text_field(key, default)
+        try:
+            return make_policy(
+                kind,
+                cap=int_param("cap", None),
+                sinks=int_param("sinks", None),
+                positions=str_param("positions", "reindexed"),
+                evict_step=int_param("evict_step", 1) or 1,
+            )
+        except KvguardError as exc:
+            raise exc.located(path, line_of(key)) from None
+
+    policy = policy_for("policy", None)
+    baseline = policy_for("baseline", "full")
+    try:
+        check_reaches_eviction(policy, tokens)
+    except KvguardError as exc:
+        raise exc.located(path, params.key_lines.get("tokens", line_of("policy"))) from None
+
+    budgets_raw = _merged(defaults, entry, "budgets", path)
+    try:
+        budgets = Budgets.from_mapping(budgets_raw)
+    except KvguardError as exc:
+        bad = next((k for k in budgets_raw if not _is_budget_value(k, budgets_raw[k])), None)
+        raise exc.located(path, budgets_raw.key_lines.get(bad, line_of("budgets"))) from None
+    if not budgets.declared():
+        raise KvguardError(
+            "check declares no budgets, so it could never fail",
+            path=path,
+            line=entry.line,
+            fix="add budgets: e.g. max_ppl_increase_pct: 25",
+        )
+    text = str_param("text", DEFAULT_TEXT)
+    if text != DEFAULT_TEXT:
+        text_path = (path.parent / Path(text).expanduser()).resolve()
+        if not text_path.is_file():
+            raise KvguardError(
+                f"text file '{text}' not found ({text_path})",
+                path=path,
+                line=params.key_lines["text"],
+                fix=f"give an existing UTF-8 file (relative to this file), or '{DEFAULT_TEXT}'",
+            )
+        text = str(text_path)
+    expect = text_field("expect", "pass")
+    if expect not in EXPECTATIONS:
+        raise KvguardError(
+            f"expect must be one of {', '.join(EXPECTATIONS)}, got '{expect}'",
+            path=path,
+            line=line_of("expect"),
+        )
+    reason = entry.get("reason")
+    if expect == "violation" and not reason:
+        raise KvguardError(
+            "a negative control needs a reason",
+            path=path,
+            line=line_of("expect"),
+            fix="add reason: why this check must break its budget",
+        )
+    return Check(
+        name=name,
+        scenario=scenario,
+        engine=engine,
+        model=model,
+        policy=policy,
+        baseline=baseline,
+        tokens=tokens,
+        text=text,
+        budgets=budgets,
+        expect_violation=expect == "violation",
+        reason=str(reason) if reason else None,
+        path=path,
+        line=entry.line,
+    )

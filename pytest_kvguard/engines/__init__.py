@@ -1,0 +1,147 @@
+"""The Engine protocol that scenarios call, and the registry of engine adapters.
+
+Adapters import their engine lazily, so importing this module (and the plugin) stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.policies import Policy
+
+
+class Stream(Protocol):
+    """One sequence in an engine's cache, run under one policy."""
+
+    def room(self) -> int | None:
+        """Tokens that fit before the policy must evict; None when it never evicts."""
+        ...
+
+    def feed(self, token_ids: Sequence[int]) -> np.ndarray:
+        """Evict as the policy says, decode the tokens, return their logits (n, vocab) float32."""
+        ...
+
+    @property
+    def held(self) -> int:
+        """KV entries held per layer now."""
+        ...
+
+    @property
+    def evicted(self) -> int:
+        """Tokens evicted so far."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class Engine(Protocol):
+    """A loaded model in a real inference engine."""
+
+    name: str
+
+    def version(self) -> str: ...
+
+    def describe(self) -> dict[str, str]:
+        """Build and backend facts worth recording in a report."""
+        ...
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids as the engine feeds them, with BOS where the model wants one."""
+        ...
+
+    def open_stream(self, policy: Policy, max_tokens: int) -> Stream:
+        """A fresh, empty sequence that will be fed at most ``max_tokens`` tokens."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Knobs that change where an engine runs, not what it computes."""
+
+    n_threads: int = field(default_factory=lambda: os.cpu_count() or 1)
+    n_gpu_layers: int = 0
+    """Layers offloaded to a GPU; -1 for all. Override with KVGUARD_N_GPU_LAYERS."""
+
+    @classmethod
+    def from_env(cls) -> EngineOptions:
+        kwargs: dict[str, int] = {}
+        for attr, var in (("n_threads", "KVGUARD_THREADS"), ("n_gpu_layers", "KVGUARD_N_GPU_LAYERS")):
+            raw = os.environ.get(var)
+            if raw:
+                try:
+                    kwargs[attr] = int(raw)
+                except ValueError:
+                    raise KvguardError(f"${var}={raw!r} is not an integer", fix=f"unset {var}") from None
+        return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """How to find, describe and install one engine adapter."""
+
+    name: str
+    module: str
+    """The adapter module; it has ``load(path, options) -> Engine``."""
+    import_name: str
+    """The engine's own top-level module."""
+    distribution: str
+    install: str
+
+
+ENGINES: dict[str, EngineInfo] = {
+    e.name: e
+    for e in (
+        EngineInfo(
+            "llama_cpp",
+            "pytest_kvguard.engines.llama_cpp",
+            "llama_cpp",
+            "llama-cpp-python",
+            'CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON '
+            '-DGGML_F16C=ON" pip install "pytest-kvguard[llama]"',
+        ),
+    )
+}
+
+
+def engine_info(name: str) -> EngineInfo:
+    try:
+        return ENGINES[name]
+    except KeyError:
+        raise KvguardError(
+            f"unknown engine '{name}'", fix="use one of " + ", ".join(ENGINES)
+        ) from None
+
+
+def require_installed(name: str) -> EngineInfo:
+    """Fail early, without importing the engine, when it is not installed."""
+    info = engine_info(name)
+    if importlib.util.find_spec(info.import_name) is None:
+        raise KvguardError(f"engine '{name}' is not installed", fix=info.install)
+    return info
+
+
+def installed_version(name: str) -> str | None:
+    """The engine's package version, read from metadata (no import)."""
+    try:
+        return importlib.metadata.version(engine_info(name).distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def load_engine(name: str, model_path: Path, options: EngineOptions) -> Engine:
+    info = require_installed(name)
+    module = importlib.import_module(info.module)
+    engine: Engine = module.load(model_path, options)
+    return engine

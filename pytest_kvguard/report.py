@@ -1,0 +1,103 @@
+"""The end-of-run table and the JSON report. Rows are plain dicts (they travel on reports)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tabulate import tabulate
+
+from pytest_kvguard import __version__
+
+REPORT_SCHEMA = 1
+TABLE_HEADERS = [
+    "check", "engine", "model", "policy", "tokens", "baseline", "base ppl", "ppl",
+    "delta", "budget", "verdict",
+]  # fmt: skip
+
+
+def error_row(name: str, message: str) -> dict[str, Any]:
+    """A check that could not produce figures still gets a row, so nothing looks like a pass."""
+    return {"name": name, "verdict": "ERROR", "error": message}
+
+
+def table_rows(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
+    out = []
+    for row in rows:
+        if row["verdict"] == "ERROR":
+            out.append([row["name"]] + ["-"] * 9 + ["ERROR"])
+            continue
+        m = row["metrics"]
+        out.append(
+            [
+                row["name"],
+                f"{row['engine']} {row['engine_version']}",
+                row["model"],
+                row["policy"],
+                str(row["tokens"]),
+                row["baseline"],
+                f"{m['baseline_post_eviction_ppl']:.2f}",
+                f"{m['post_eviction_ppl']:.2f}",
+                f"{m['ppl_increase_pct']:+.1f}%",
+                row["budget_text"],
+                row["verdict"],
+            ]
+        )
+    return out
+
+
+def render_table(rows: Sequence[dict[str, Any]], fmt: str = "simple") -> str:
+    """One table for the whole run; perplexities are over the post-eviction tokens."""
+    return tabulate(table_rows(rows), headers=TABLE_HEADERS, tablefmt=fmt, disable_numparse=True)
+
+
+def machine() -> dict[str, Any]:
+    """Enough to tell whether two reports came from the same kind of machine."""
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "python": sys.version.split()[0],
+    }
+
+
+def build_report(
+    rows: Sequence[dict[str, Any]],
+    *,
+    budgets_file: str | None,
+    budgets_sha256: str | None,
+    expected_checks: int,
+    exitstatus: int,
+) -> dict[str, Any]:
+    complete = len(rows) >= expected_checks and all(r["verdict"] != "ERROR" for r in rows)
+    passed = complete and exitstatus == 0 and all(r["verdict"] in ("PASS", "CAUGHT") for r in rows)
+    return {
+        "schema": REPORT_SCHEMA,
+        "kvguard_version": __version__,
+        "verdict": "pass" if passed else "fail",
+        "complete": complete,
+        "pytest_exitstatus": exitstatus,
+        "budgets_file": budgets_file,
+        "budgets_sha256": budgets_sha256,
+        "machine": machine(),
+        "checks": list(rows),
+    }
+
+
+def write_json(path: Path, report: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    tmp.replace(path)  # never leave a half-written report behind

@@ -1,0 +1,1 @@
+"""Scenarios: what a check does with an engine. They call the Engine protocol only."""

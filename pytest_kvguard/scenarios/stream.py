@@ -1,0 +1,159 @@
+"""Scenario ``stream``: feed a long text far past the cache's capacity and score every next token.
+
+The score of token i+1 comes from the logits of feeding token i. Tokens fed after the first
+eviction are "post-eviction"; the same split is applied to the baseline run on the same token
+ids, so the delta compares like with like.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pytest_kvguard.engines import Engine
+from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.policies import Policy
+
+PREFILL_CHUNK = 256
+"""Tokens decoded per call while no eviction is due; one at a time once it is."""
+
+Progress = Callable[[int, int], None]
+"""Called as progress(tokens_done, tokens_total)."""
+
+
+@dataclass(frozen=True)
+class StreamRun:
+    """One policy's pass over the token ids."""
+
+    policy: Policy
+    n_tokens: int
+    nll: np.ndarray = field(repr=False)
+    """nll[i] = -log p(token[i+1] | what the cache held after feeding token i)."""
+    first_eviction: int | None
+    """Index of the first token fed after an eviction; None if nothing was evicted."""
+    kv_entries: int
+    """KV entries held per layer at the end."""
+    evicted: int
+    seconds: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.n_tokens / self.seconds if self.seconds else math.inf
+
+
+def check_reaches_eviction(policy: Policy, n_tokens: int) -> None:
+    """Refuse a run that would never evict: it would prove nothing about the policy."""
+    if not policy.bounded:
+        raise KvguardError(
+            "policy 'full' never evicts, so the stream scenario has nothing to judge",
+            fix="use a bounded policy (window, sink) as the candidate and full as the baseline",
+        )
+    assert policy.cap is not None
+    if n_tokens <= policy.cap:
+        raise KvguardError(
+            f"tokens {n_tokens} <= cap {policy.cap}: eviction would never start",
+            fix=f"raise tokens well past the cap (e.g. {policy.cap * 6}) or lower the cap",
+        )
+
+
+def run_stream(
+    engine: Engine, policy: Policy, token_ids: Sequence[int], progress: Progress | None = None
+) -> StreamRun:
+    """Feed ``token_ids`` through a fresh stream under ``policy`` and score every next token."""
+    n = len(token_ids)
+    targets = np.asarray(token_ids[1:], dtype=np.int64)
+    nll = np.empty(n - 1, dtype=np.float64)
+    first_eviction: int | None = None
+    max_chunk = PREFILL_CHUNK
+    if policy.cap is not None:
+        max_chunk = min(max_chunk, policy.cap - policy.sinks)
+    started = time.perf_counter()
+    stream = engine.open_stream(policy, n)
+    try:
+        done = 0
+        next_report = 0
+        while done < n:
+            room = stream.room()
+            chunk = max_chunk if room is None else max(1, min(room, max_chunk))
+            chunk = min(chunk, n - done)
+            evicted_before = stream.evicted
+            logits = stream.feed(token_ids[done : done + chunk])
+            if first_eviction is None and stream.evicted > evicted_before:
+                first_eviction = done
+            scored = min(chunk, n - 1 - done)  # the last token has nothing left to predict
+            if scored > 0:
+                nll[done : done + scored] = _nll(logits[:scored], targets[done : done + scored])
+            done += chunk
+            if progress is not None and done >= next_report:
+                progress(done, n)
+                next_report = done + max(1, n // 4)
+        held, evicted = stream.held, stream.evicted
+    finally:
+        stream.close()
+    return StreamRun(
+        policy=policy,
+        n_tokens=n,
+        nll=nll,
+        first_eviction=first_eviction,
+        kv_entries=held,
+        evicted=evicted,
+        seconds=time.perf_counter() - started,
+    )
+
+
+def _nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """Negative log-likelihood of each target under a row of logits (stable log-softmax)."""
+    wide = logits.astype(np.float64)
+    peak = wide.max(axis=1)
+    log_norm = peak + np.log(np.exp(wide - peak[:, None]).sum(axis=1))
+    result: np.ndarray = log_norm - wide[np.arange(len(targets)), targets]
+    return result
+
+
+def perplexity(nll: np.ndarray) -> float:
+    return float(math.exp(float(nll.mean()))) if len(nll) else math.nan
+
+
+@dataclass(frozen=True)
+class StreamResult:
+    """A bounded candidate against its baseline on the same token ids, split at first eviction."""
+
+    candidate: StreamRun
+    baseline: StreamRun
+
+    @property
+    def split(self) -> int:
+        assert self.candidate.first_eviction is not None
+        return self.candidate.first_eviction
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """Every figure budgets can gate on, by metric name."""
+        s = self.split
+        cand, base = self.candidate.nll, self.baseline.nll
+        post, base_post = perplexity(cand[s:]), perplexity(base[s:])
+        return {
+            "pre_eviction_ppl": perplexity(cand[:s]),
+            "post_eviction_ppl": post,
+            "baseline_pre_eviction_ppl": perplexity(base[:s]),
+            "baseline_post_eviction_ppl": base_post,
+            "ppl_increase_pct": (post / base_post - 1.0) * 100.0,
+            "kv_entries": float(self.candidate.kv_entries),
+            "first_eviction": float(s),
+            "post_eviction_tokens": float(len(cand) - s),
+        }
+
+
+def compare(candidate: StreamRun, baseline: StreamRun) -> StreamResult:
+    if candidate.first_eviction is None:
+        raise KvguardError(
+            f"policy {candidate.policy.describe()} never evicted over {candidate.n_tokens} tokens",
+            fix="raise tokens past the cap",
+        )
+    if candidate.n_tokens != baseline.n_tokens:
+        raise ValueError("candidate and baseline must score the same token ids")
+    return StreamResult(candidate, baseline)
