@@ -52,11 +52,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def _option_path(config: pytest.Config, option: str, ini: str) -> Path | None:
+    """The path as the user wrote it (messages quote it), or the ini value under rootdir."""
     value = config.getoption(option)
     if value:
-        return Path(value).resolve()
+        return Path(value)
     ini_value = config.getini(ini)
-    return (config.rootpath / ini_value).resolve() if ini_value else None
+    return config.rootpath / ini_value if ini_value else None
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -80,10 +81,11 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(str(exc)) from None
     config.stash[BUDGETS_KEY] = budgets_file
     # Without explicit test paths the gate runs only its checks, not the project's testpaths.
+    collect = str(budgets_path.resolve())
     if config.args_source != pytest.Config.ArgsSource.ARGS:
-        config.args = [str(budgets_path)]
-    elif str(budgets_path) not in config.args:
-        config.args.append(str(budgets_path))
+        config.args = [collect]
+    elif collect not in config.args:
+        config.args.append(collect)
 
 
 def _runner(config: pytest.Config) -> Runner:
@@ -135,7 +137,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Collector | None:
     budgets_file = parent.config.stash.get(BUDGETS_KEY, None)
-    if budgets_file is not None and file_path.resolve() == budgets_file.path:
+    if budgets_file is not None and file_path.resolve() == budgets_file.path.resolve():
         collector: BudgetsCollector = BudgetsCollector.from_parent(parent, path=file_path)
         return collector
     return None

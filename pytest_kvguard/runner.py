@@ -123,7 +123,8 @@ class Runner:
         label = f"{engine_name} {model.name} {policy.describe()}"
 
         def progress(done: int, total: int) -> None:
-            self.say(f"{label}: {done}/{total} tokens", detail=True)
+            if done < total:
+                self.say(f"{label}: {done}/{total} tokens", detail=True)
 
         run = run_stream(engine, policy, ids, progress)
         self.say(f"{label}: done in {run.seconds:.1f} s ({run.tokens_per_second:.0f} tokens/s)")

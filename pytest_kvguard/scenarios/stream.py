@@ -88,7 +88,7 @@ def run_stream(
             if scored > 0:
                 nll[done : done + scored] = _nll(logits[:scored], targets[done : done + scored])
             done += chunk
-            if progress is not None and done >= next_report:
+            if progress is not None and (done >= next_report or done == n):
                 progress(done, n)
                 next_report = done + max(1, n // 4)
         held, evicted = stream.held, stream.evicted

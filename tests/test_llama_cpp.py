@@ -1,0 +1,96 @@
+"""Real llama.cpp (llama-cpp-python) on the real bundled SmolLM2-135M: the cliff, and the adapter.
+
+These are the proof that the gate works; they take about two minutes on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pytest_kvguard.budgets_file import load_budgets_file
+from pytest_kvguard.models import ModelRef, read_arch
+from pytest_kvguard.plugin import _runner
+from pytest_kvguard.policies import make_policy
+from pytest_kvguard.runner import Runner
+from pytest_kvguard.scenarios.stream import run_stream
+from pytest_kvguard.texts import pydoc_topics
+
+pytestmark = pytest.mark.engine
+BUNDLED = Path(__file__).parent.parent / "fixtures" / "budgets.yaml"
+SMOLLM2 = ModelRef("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def runner(pytestconfig: pytest.Config) -> Runner:
+    """The plugin's own session runner, so engines load once and runs are shared."""
+    return _runner(pytestconfig)
+
+
+def test_bundled_models_have_the_documented_architecture() -> None:
+    smol = read_arch(SMOLLM2.resolve())
+    assert (smol.architecture, smol.n_layers, smol.n_kv_heads, smol.head_dim_k) == ("llama", 30, 3, 64)
+    assert smol.kv_bytes_per_token() == 23_040 and smol.sliding_window is None
+    gemma = read_arch(ModelRef("gemma3-270m").resolve())
+    assert (gemma.n_layers, gemma.n_kv_heads, gemma.head_dim_k, gemma.sliding_window) == (18, 1, 256, 512)
+    assert gemma.kv_bytes_per_token() == 18_432
+    assert sum(gemma.swa_layers) == 15  # 5 of every 6 layers slide
+
+
+@pytest.mark.parametrize("check", load_budgets_file(BUNDLED).checks, ids=lambda c: c.name)
+def test_bundled_budgets_show_the_cliff(runner: Runner, check) -> None:  # type: ignore[no-untyped-def]
+    """sink-4 stays within the bundled budgets over 1,500 tokens at cap 256; a pure window breaks them."""
+    assert check.tokens >= 1500 and check.policy.cap == 256
+    outcome, result = runner.stream_check(
+        name=check.name,
+        engine=check.engine,
+        model=check.model,
+        policy=check.policy,
+        baseline=check.baseline,
+        tokens=check.tokens,
+        text=check.text,
+        budgets=check.budgets,
+        expect_violation=check.expect_violation,
+        reason=check.reason,
+    )
+    assert outcome.verdict == ("CAUGHT" if check.expect_violation else "PASS"), outcome.violations
+    metrics = outcome.metrics
+    assert metrics["first_eviction"] == 256  # token 256 is the first that does not fit
+    assert metrics["kv_entries"] == 256
+    assert result.candidate.evicted == check.tokens - 256
+    # Before the first eviction every policy holds the same tokens: only batching differs.
+    assert metrics["pre_eviction_ppl"] == pytest.approx(metrics["baseline_pre_eviction_ppl"], rel=2e-3)
+
+
+@pytest.mark.kv_budget(max_ppl_increase_pct=25, max_post_eviction_ppl=13.5, max_kv_entries=256)
+def test_marker_on_a_real_engine(kvguard) -> None:  # type: ignore[no-untyped-def]
+    outcome = kvguard.stream(policy="sink", cap=256, sinks=4, tokens=1500)
+    assert outcome.metrics["post_eviction_tokens"] == 1499 - 256
+
+
+@pytest.fixture(scope="module")
+def short_ids(runner: Runner) -> list[int]:
+    return runner.token_ids("llama_cpp", SMOLLM2, pydoc_topics(), 200)
+
+
+@pytest.mark.parametrize("positions", ["reindexed", "absolute"])
+@pytest.mark.parametrize("step", [1, 16])
+def test_eviction_bookkeeping_matches_the_engine(
+    runner: Runner, short_ids: list[int], positions: str, step: int
+) -> None:
+    """The adapter cross-checks llama.cpp's seq positions after every eviction (EngineError if not)."""
+    engine, _ = runner.engine("llama_cpp", SMOLLM2)
+    policy = make_policy("sink", cap=64, sinks=4, positions=positions, evict_step=step)
+    run = run_stream(engine, policy, short_ids)
+    assert run.first_eviction == 64  # tokens 0..63 fill the cache
+    assert run.kv_entries <= 64 and run.evicted + run.kv_entries == 200
+    assert run.evicted % step == 0
+
+
+def test_same_run_twice_is_bitwise_identical(runner: Runner, short_ids: list[int]) -> None:
+    engine, _ = runner.engine("llama_cpp", SMOLLM2)
+    policy = make_policy("window", cap=64)
+    first, second = run_stream(engine, policy, short_ids), run_stream(engine, policy, short_ids)
+    assert np.array_equal(first.nll, second.nll)

@@ -1,0 +1,39 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.models import ModelRef, env_var_for, parse_model, read_arch
+
+
+def test_arch_from_gguf_metadata(tiny_gguf: Path) -> None:
+    arch = read_arch(tiny_gguf)
+    assert (arch.n_layers, arch.n_kv_heads, arch.head_dim_k, arch.context_length) == (4, 2, 32, 2048)
+    assert arch.sliding_window is None and not any(arch.swa_layers)
+    assert arch.kv_bytes_per_token() == 4 * 2 * 2 * 32 * 2  # layers x K,V x heads x dim x f16
+
+
+def test_unknown_name_lists_the_bundled_models(tmp_path: Path) -> None:
+    with pytest.raises(KvguardError, match="use one of smollm2-135m, gemma3-270m"):
+        parse_model("mistral", tmp_path)
+
+
+def test_relative_path_is_taken_from_the_budgets_file_folder(tiny_gguf: Path) -> None:
+    assert parse_model("tiny.gguf", tiny_gguf.parent).path == tiny_gguf
+
+
+def test_env_var_points_a_bundled_name_elsewhere(
+    tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(env_var_for("smollm2-135m"), str(tiny_gguf))
+    assert env_var_for("smollm2-135m") == "KVGUARD_MODEL_SMOLLM2_135M"
+    assert ModelRef("smollm2-135m").resolve() == tiny_gguf
+
+
+def test_not_a_gguf(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf at all")
+    with pytest.raises(KvguardError, match="not a readable GGUF"):
+        read_arch(bad)

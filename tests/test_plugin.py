@@ -1,0 +1,315 @@
+"""The plugin's pytest mechanics, on the toy engine (fast). Real engines: test_llama_cpp.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import kvguard_fake_engine
+import pytest
+
+from pytest_kvguard.engines import ENGINES, EngineInfo
+
+pytestmark = pytest.mark.usefixtures("fake_engine")
+
+CHECKS = """\
+version: 1
+defaults:
+  engine: fake
+  model: tiny.gguf
+  params: {{tokens: 400, cap: 64}}
+checks:
+  - name: toy-sink
+    policy: sink
+    params: {{sinks: 1}}
+    budgets: {{max_ppl_increase_pct: {sink_budget}, max_kv_entries: 64}}
+  - name: toy-window
+    policy: window
+    budgets: {{max_ppl_increase_pct: 5}}
+    expect: violation
+    reason: the toy forgets once its sink is gone
+"""
+
+
+@pytest.fixture
+def fake_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(ENGINES, "fake", kvguard_fake_engine.INFO)
+    monkeypatch.setitem(
+        ENGINES, "ghost", EngineInfo("ghost", "x", "no_such_engine_mod", "ghost", "pip install ghost")
+    )
+    monkeypatch.delenv("KVGUARD_FAKE_FAIL", raising=False)
+
+
+@pytest.fixture
+def gate(pytester: pytest.Pytester, tiny_gguf: Path) -> pytest.Pytester:
+    (pytester.path / "tiny.gguf").write_bytes(tiny_gguf.read_bytes())
+    return pytester
+
+
+def write_budgets(pytester: pytest.Pytester, sink_budget: float = 20) -> Path:
+    return pytester.makefile(".yaml", budgets=CHECKS.format(sink_budget=sink_budget))
+
+
+def test_gate_passes_and_catches_negative_control(gate: pytest.Pytester) -> None:
+    write_budgets(gate)
+    result = gate.runpytest("--kvguard", "budgets.yaml", "--kvguard-json", "out/report.json")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["*= kvguard =*", "toy-sink *PASS", "toy-window *CAUGHT"])
+    report = json.loads((gate.path / "out/report.json").read_text())
+    assert report["verdict"] == "pass" and report["complete"] is True
+    verdicts = {c["name"]: c["verdict"] for c in report["checks"]}
+    assert verdicts == {"toy-sink": "PASS", "toy-window": "CAUGHT"}
+    sink = next(c for c in report["checks"] if c["name"] == "toy-sink")
+    assert sink["metrics"]["first_eviction"] == 64
+    assert sink["metrics"]["kv_entries"] == 64
+    assert len(sink["model_sha256"]) == 64 and sink["engine_version"] == "0.0-test"
+
+
+def test_only_the_checks_run_without_test_paths(gate: pytest.Pytester) -> None:
+    write_budgets(gate)
+    gate.makepyfile(test_other="def test_other():\n    pass\n")
+    result = gate.runpytest("--kvguard", "budgets.yaml", "--collect-only", "-q")
+    result.stdout.fnmatch_lines(["budgets.yaml::toy-sink", "budgets.yaml::toy-window"])
+    result.stdout.no_fnmatch_line("*test_other*")
+    both = gate.runpytest("--kvguard", "budgets.yaml", "test_other.py", "--collect-only", "-q")
+    both.stdout.fnmatch_lines(["*test_other*", "budgets.yaml::toy-sink"])
+
+
+def test_k_selects_checks(gate: pytest.Pytester) -> None:
+    write_budgets(gate)
+    result = gate.runpytest("--kvguard", "budgets.yaml", "-k", "sink")
+    result.assert_outcomes(passed=1, deselected=1)
+
+
+@pytest.mark.parametrize(
+    ("offset", "passes"), [(-0.01, False), (0.0, True), (0.01, True)], ids=["below", "at", "above"]
+)
+def test_budget_edge_on_the_measured_value(gate: pytest.Pytester, offset: float, passes: bool) -> None:
+    # First learn the exact measured increase, then set the budget just below, at and above it.
+    write_budgets(gate, sink_budget=1000)
+    gate.runpytest("--kvguard", "budgets.yaml", "--kvguard-json", "r.json", "-k", "sink")
+    measured = json.loads((gate.path / "r.json").read_text())["checks"][0]["metrics"]
+    limit = measured["ppl_increase_pct"] + offset
+    write_budgets(gate, sink_budget=limit)
+    result = gate.runpytest("--kvguard", "budgets.yaml", "-k", "sink")
+    if passes:
+        result.assert_outcomes(passed=1, deselected=1)
+    else:
+        result.assert_outcomes(failed=1, deselected=1)
+
+
+def test_tightened_budget_fails_with_one_line(gate: pytest.Pytester) -> None:
+    write_budgets(gate, sink_budget=0)
+    result = gate.runpytest("--kvguard", "budgets.yaml", "--kvguard-json", "r.json")
+    assert result.ret == 1
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "_* kvguard check toy-sink _*",
+            "max_ppl_increase_pct: post-eviction perplexity increase over baseline budget 0%, "
+            "measured *% [[]budgets.yaml:7]",
+        ]
+    )
+    result.stdout.no_fnmatch_line("*Traceback*")
+    result.stdout.fnmatch_lines(["toy-sink *FAIL"])
+    assert json.loads((gate.path / "r.json").read_text())["verdict"] == "fail"
+
+
+def test_negative_control_that_passes_fails_the_run(gate: pytest.Pytester) -> None:
+    gate.makefile(
+        ".yaml",
+        budgets=CHECKS.format(sink_budget=20).replace("max_ppl_increase_pct: 5}", "max_kv_entries: 64}"),
+    )
+    result = gate.runpytest("--kvguard", "budgets.yaml")
+    assert result.ret == 1
+    result.stdout.fnmatch_lines(
+        ["negative control not caught: window/64 reidx step1 stayed within kv<=64 *[[]budgets.yaml:11]"]
+    )
+    result.stdout.fnmatch_lines(["toy-window *MISSED"])
+
+
+def test_engine_failure_is_an_error_row_not_a_pass(
+    gate: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write_budgets(gate)
+    monkeypatch.setenv("KVGUARD_FAKE_FAIL", "1")
+    result = gate.runpytest("--kvguard", "budgets.yaml", "--kvguard-json", "r.json")
+    assert result.ret == 1
+    result.stdout.fnmatch_lines(["budgets.yaml:7: fake decode failed (KVGUARD_FAKE_FAIL is set)"])
+    result.stdout.no_fnmatch_line("*Traceback*")
+    report = json.loads((gate.path / "r.json").read_text())
+    assert report["verdict"] == "fail"
+    assert {c["verdict"] for c in report["checks"]} == {"ERROR"}
+
+
+def test_partial_run_is_not_a_pass(gate: pytest.Pytester) -> None:
+    write_budgets(gate, sink_budget=0)
+    result = gate.runpytest("--kvguard", "budgets.yaml", "-x", "--kvguard-json", "r.json")
+    result.assert_outcomes(failed=1)
+    report = json.loads((gate.path / "r.json").read_text())
+    assert report["complete"] is False and report["verdict"] == "fail"
+
+
+def test_lf_reruns_only_the_failed_check(gate: pytest.Pytester) -> None:
+    write_budgets(gate, sink_budget=0)
+    gate.runpytest("--kvguard", "budgets.yaml")
+    result = gate.runpytest("--kvguard", "budgets.yaml", "--lf")
+    result.assert_outcomes(failed=1, deselected=1)
+
+
+def test_junit_carries_the_figures(gate: pytest.Pytester) -> None:
+    write_budgets(gate)
+    gate.runpytest("--kvguard", "budgets.yaml", "--junitxml", "junit.xml")
+    xml = (gate.path / "junit.xml").read_text()
+    assert 'name="toy-sink"' in xml and "ppl_increase_pct" in xml
+
+
+def test_report_header_names_budgets_engine_and_model(gate: pytest.Pytester) -> None:
+    write_budgets(gate)
+    result = gate.runpytest("--kvguard", "budgets.yaml", "--collect-only")
+    result.stdout.fnmatch_lines(
+        ["kvguard: budgets *budgets.yaml (2 checks, sha256 *)", "kvguard engines: fake *",
+         "kvguard model: tiny.gguf = *tiny.gguf"]
+    )  # fmt: skip
+
+
+MARKER_TEST = """
+import pytest
+
+@pytest.mark.kv_budget(max_ppl_increase_pct={budget})
+def test_sink_holds(kvguard):
+    result = kvguard.stream(engine="fake", model="tiny.gguf", policy="{policy}", cap=64,
+                            sinks={sinks}, tokens=400)
+    assert result.metrics["first_eviction"] == 64
+"""
+
+
+def test_marker_budget_passes(gate: pytest.Pytester) -> None:
+    gate.makepyfile(MARKER_TEST.format(budget=20, policy="sink", sinks=1))
+    result = gate.runpytest()
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["test_sink_holds *PASS"])
+
+
+def test_marker_budget_violation_is_one_line(gate: pytest.Pytester) -> None:
+    gate.makepyfile(MARKER_TEST.format(budget=5, policy="window", sinks=None))
+    result = gate.runpytest()
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        ["max_ppl_increase_pct: post-eviction perplexity increase over baseline budget 5%, "
+         "measured *%"]
+    )  # fmt: skip
+
+
+def test_marker_without_scenario_fails(gate: pytest.Pytester) -> None:
+    gate.makepyfile(
+        "import pytest\n@pytest.mark.kv_budget(max_kv_entries=10)\ndef test_x():\n    pass\n"
+    )
+    result = gate.runpytest()
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*ran no kvguard scenario*"])
+
+
+def test_misspelt_marker_budget_is_a_usage_error(gate: pytest.Pytester) -> None:
+    gate.makepyfile(
+        "import pytest\n@pytest.mark.kv_budget(max_ppl_increse_pct=10)\ndef test_x():\n    pass\n"
+    )
+    result = gate.runpytest()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: *test_x: bad @pytest.mark.kv_budget: *max_ppl_increse_pct*"])
+
+
+BAD_INPUTS = {
+    "malformed": ("version: 1\nchecks:\n  - name: a\n    policy: [sink\n", "budgets.yaml:4: malformed YAML*"),
+    "wrong_type": (
+        "version: 1\nchecks:\n  - name: a\n    engine: fake\n    model: tiny.gguf\n"
+        "    policy: sink\n    params: {cap: many}\n",
+        "budgets.yaml:7: params.cap must be an integer, got 'many'*",
+    ),
+    "unknown_key": (
+        "version: 1\nchecks:\n  - name: a\n    engine: fake\n    model: tiny.gguf\n"
+        "    polcy: sink\n",
+        "budgets.yaml:6: unknown check key 'polcy' (fix: did you mean 'policy'?*",
+    ),
+    "unknown_policy": (
+        "version: 1\nchecks:\n  - name: a\n    engine: fake\n    model: tiny.gguf\n"
+        "    policy: sinks\n    params: {cap: 64}\n",
+        "budgets.yaml:6: unknown policy 'sinks' (fix: use one of full, window, sink)",
+    ),
+    "unknown_scenario": (
+        "version: 1\nchecks:\n  - name: a\n    scenario: stram\n",
+        "budgets.yaml:4: unknown scenario 'stram' (fix: did you mean 'stream'?*",
+    ),
+    "unknown_budget": (
+        "version: 1\nchecks:\n  - name: a\n    engine: fake\n    model: tiny.gguf\n"
+        "    policy: sink\n    params: {cap: 64, tokens: 400}\n    budgets:\n      max_ppl: 3\n",
+        "budgets.yaml:9: unknown budget 'max_ppl'*",
+    ),
+    "missing_model": (
+        "version: 1\nchecks:\n  - name: a\n    engine: fake\n    model: gone.gguf\n",
+        "budgets.yaml:5: model file 'gone.gguf' not found*",
+    ),
+    "unknown_model": (
+        "version: 1\nchecks:\n  - name: a\n    engine: fake\n    model: llama-9000\n",
+        "budgets.yaml:5: unknown model 'llama-9000' (fix: use one of smollm2-135m, gemma3-270m*",
+    ),
+    "engine_not_installed": (
+        "version: 1\nchecks:\n  - name: a\n    engine: ghost\n",
+        "budgets.yaml:4: engine 'ghost' is not installed (fix: pip install ghost)",
+    ),
+    "no_eviction": (
+        "version: 1\nchecks:\n  - name: a\n    engine: fake\n    model: tiny.gguf\n"
+        "    policy: sink\n    params: {cap: 64, tokens: 64}\n    budgets: {max_kv_entries: 9}\n",
+        "budgets.yaml:7: tokens 64 <= cap 64: eviction would never start*",
+    ),
+    "version": ("version: 2\nchecks: []\n", "budgets.yaml:1: unsupported budgets file version 2*"),
+    "control_without_reason": (
+        "version: 1\nchecks:\n  - name: a\n    engine: fake\n    model: tiny.gguf\n"
+        "    policy: window\n    params: {cap: 64, tokens: 400}\n    budgets: {max_kv_entries: 9}\n"
+        "    expect: violation\n",
+        "budgets.yaml:9: a negative control needs a reason*",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_is_one_line_without_traceback(gate: pytest.Pytester, case: str) -> None:
+    text, expected = BAD_INPUTS[case]
+    gate.makefile(".yaml", budgets=text)
+    result = gate.runpytest("--kvguard", "budgets.yaml")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"ERROR: *{expected}"])
+    errors = [line for line in result.stderr.lines if line.strip()]
+    assert len(errors) == 1, errors
+    assert "Traceback" not in result.stdout.str() + result.stderr.str()
+
+
+def test_missing_budgets_file(gate: pytest.Pytester) -> None:
+    result = gate.runpytest("--kvguard", "nope.yaml")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: *nope.yaml: cannot read budgets file: No such file*"])
+
+
+def test_help_does_not_import_an_engine(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--help",
+    )  # fmt: skip
+    result.stdout.fnmatch_lines(["kvguard: KV-cache policy regression gate:", "*--kvguard=BUDGETS_YAML*"])
+    probe = pytester.makepyfile(
+        probe="""
+import sys, subprocess
+import pytest
+pytest.main(["--help"])
+assert "llama_cpp" not in sys.modules, "pytest --help imported llama_cpp"
+assert "mlx" not in sys.modules
+print("NO-ENGINE-IMPORTED")
+"""
+    )
+    run = pytester.run(sys_executable(), str(probe))
+    run.stdout.fnmatch_lines(["NO-ENGINE-IMPORTED"])
+
+
+def sys_executable() -> str:
+    import sys
+
+    return sys.executable

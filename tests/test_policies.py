@@ -1,0 +1,34 @@
+from __future__ import annotations
+
+import pytest
+
+from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.policies import make_policy
+
+
+def test_sink_defaults_to_four_pinned_tokens() -> None:
+    policy = make_policy("sink", cap=256)
+    assert (policy.sinks, policy.cap, policy.positions, policy.evict_step) == (4, 256, "reindexed", 1)
+    assert policy.describe() == "sink4/256 reidx step1"
+
+
+def test_full_ignores_cap() -> None:
+    assert make_policy("full", cap=256).cap is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"kind": "sinks", "cap": 9}, "unknown policy 'sinks'"),
+        ({"kind": "window"}, "needs a cap"),
+        ({"kind": "window", "cap": 64, "sinks": 4}, "pins nothing"),
+        ({"kind": "sink", "cap": 64, "sinks": 0}, "needs sinks >= 1"),
+        ({"kind": "sink", "cap": 4, "sinks": 4}, "leaves no room"),
+        ({"kind": "sink", "cap": 64, "positions": "relative"}, "unknown position handling"),
+        ({"kind": "window", "cap": 64, "evict_step": 0}, "evict_step must be >= 1"),
+    ],
+)
+def test_policies_that_would_not_mean_what_they_say(kwargs: dict, message: str) -> None:
+    kind = kwargs.pop("kind")
+    with pytest.raises(KvguardError, match=message):
+        make_policy(kind, **kwargs)
