@@ -82,7 +82,9 @@ class Budgets:
         return cls(**raw)
 
     def declared(self) -> dict[str, float]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+        return {
+            f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None
+        }
 
     def check(self, metrics: Mapping[str, float]) -> list[Violation]:
         """Every declared limit the metrics break. A value equal to its limit passes."""

@@ -10,7 +10,7 @@ Schema (version 1)::
       - name: smollm2-sink4          # unique; becomes the pytest item name
         scenario: stream             # default: stream
         engine: llama_cpp
-        model: smollm2-135m          # bundled short name, or a path to a .gguf (relative to this file)
+        model: smollm2-135m          # bundled name, or a .gguf path (relative to this file)
         policy: sink                 # full | window | sink
         baseline: full               # the policy the delta is measured against (default: full)
         params: {tokens: 1500, cap: 256, sinks: 4, positions: reindexed, evict_step: 1, text: pydoc}
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -163,7 +162,9 @@ def load_budgets_file(path: Path) -> BudgetsFile:
     for index, entry in enumerate(checks):
         if not isinstance(entry, _Located):
             raise KvguardError(
-                f"check #{index + 1} must be a mapping", path=path, line=document.key_lines["checks"]
+                f"check #{index + 1} must be a mapping",
+                path=path,
+                line=document.key_lines["checks"],
             )
         check = _parse_check(entry, defaults, path)
         if check.name in seen:
@@ -191,7 +192,10 @@ def _is_budget_value(name: Any, value: Any) -> bool:
 
 def _type_error(key: str, wanted: str, value: Any, path: Path, line: int) -> KvguardError:
     return KvguardError(
-        f"{key} must be {wanted}, got {value!r}", path=path, line=line, fix=f"write {key} as {wanted}"
+        f"{key} must be {wanted}, got {value!r}",
+        path=path,
+        line=line,
+        fix=f"write {key} as {wanted}",
     )
 
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 from pytest_kvguard.errors import KvguardError
 
@@ -156,11 +157,9 @@ class ModelArch:
         return self.n_layers * per_layer
 
 
-def _field(reader: object, key: str) -> object | None:
-    field = reader.fields.get(key)  # type: ignore[attr-defined]
-    if field is None:
-        return None
-    return field.contents()
+def _field(reader: Any, key: str) -> Any:
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
 
 
 @cache
@@ -184,13 +183,13 @@ def read_arch(path: Path) -> ModelArch:
             return default
         if isinstance(value, list):  # per-layer arrays: the KV head count may vary by layer
             return int(max(value))
-        return int(value)  # type: ignore[call-overload]
+        return int(value)
 
     n_layers = number("block_count")
     n_heads = number("attention.head_count")
     head_dim = number("embedding_length") // n_heads
     window = _field(reader, f"{arch}.attention.sliding_window")
-    sliding_window = int(window) if window else None  # type: ignore[call-overload]
+    sliding_window = int(window) if window else None
     return ModelArch(
         architecture=arch,
         n_layers=n_layers,

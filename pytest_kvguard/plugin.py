@@ -289,7 +289,9 @@ def pytest_runtest_makereport(
     outcomes = item.stash.get(OUTCOMES_KEY, [])
     if not outcomes:
         report.outcome = "failed"
-        report.longrepr = "kv_budget marker, but the test ran no kvguard scenario (fix: call kvguard.stream(...))"
+        report.longrepr = (
+            "kv_budget marker, but the test ran no kvguard scenario (fix: call kvguard.stream(...))"
+        )
     broken = [v for o in outcomes for v in o.violations]
     if broken:
         report.outcome = "failed"
@@ -310,7 +312,7 @@ class KvguardReporter:
         self.json_error: str | None = None
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        rows = [json.loads(v) for name, v in report.user_properties if name == PROPERTY]
+        rows = [json.loads(str(v)) for name, v in report.user_properties if name == PROPERTY]
         if rows and (report.when == "call" or report.failed):
             self.rows[report.nodeid] = rows
 

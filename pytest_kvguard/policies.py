@@ -13,7 +13,7 @@ POLICY_KINDS = {
 }
 
 POSITION_MODES = {
-    "reindexed": "survivors are shifted down after eviction (llama.cpp context shift, StreamingLLM)",
+    "reindexed": "survivors shift down after eviction (llama.cpp context shift, StreamingLLM)",
     "absolute": "survivors keep the position they were written at (mlx-lm RotatingKVCache)",
 }
 
@@ -58,9 +58,7 @@ def make_policy(
 ) -> Policy:
     """Build a policy, refusing combinations that would not mean what they say."""
     if kind not in POLICY_KINDS:
-        raise KvguardError(
-            f"unknown policy '{kind}'", fix="use one of " + ", ".join(POLICY_KINDS)
-        )
+        raise KvguardError(f"unknown policy '{kind}'", fix="use one of " + ", ".join(POLICY_KINDS))
     if positions not in POSITION_MODES:
         raise KvguardError(
             f"unknown position handling '{positions}'",

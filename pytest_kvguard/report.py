@@ -61,7 +61,9 @@ def machine() -> dict[str, Any]:
     cpu = platform.processor()
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+            cpu = next(
+                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu
+            )
     except OSError:
         pass
     return {

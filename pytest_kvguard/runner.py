@@ -17,10 +17,12 @@ from pytest_kvguard.policies import Policy
 from pytest_kvguard.scenarios.stream import StreamResult, StreamRun, compare, run_stream
 from pytest_kvguard.texts import Text, load_text
 
+
 class Say(Protocol):
     """Where progress lines go (the terminal, bypassing capture); detail lines need -v."""
 
     def __call__(self, line: str, detail: bool = False) -> None: ...
+
 
 VERDICTS = {
     "PASS": "within every budget",

@@ -31,17 +31,27 @@ def runner(pytestconfig: pytest.Config) -> Runner:
 
 def test_bundled_models_have_the_documented_architecture() -> None:
     smol = read_arch(SMOLLM2.resolve())
-    assert (smol.architecture, smol.n_layers, smol.n_kv_heads, smol.head_dim_k) == ("llama", 30, 3, 64)
+    assert (smol.architecture, smol.n_layers, smol.n_kv_heads, smol.head_dim_k) == (
+        "llama",
+        30,
+        3,
+        64,
+    )
     assert smol.kv_bytes_per_token() == 23_040 and smol.sliding_window is None
     gemma = read_arch(ModelRef("gemma3-270m").resolve())
-    assert (gemma.n_layers, gemma.n_kv_heads, gemma.head_dim_k, gemma.sliding_window) == (18, 1, 256, 512)
+    assert (gemma.n_layers, gemma.n_kv_heads, gemma.head_dim_k, gemma.sliding_window) == (
+        18,
+        1,
+        256,
+        512,
+    )
     assert gemma.kv_bytes_per_token() == 18_432
     assert sum(gemma.swa_layers) == 15  # 5 of every 6 layers slide
 
 
 @pytest.mark.parametrize("check", load_budgets_file(BUNDLED).checks, ids=lambda c: c.name)
 def test_bundled_budgets_show_the_cliff(runner: Runner, check) -> None:  # type: ignore[no-untyped-def]
-    """sink-4 stays within the bundled budgets over 1,500 tokens at cap 256; a pure window breaks them."""
+    """sink-4 keeps within the bundled budgets (1,500 tokens, cap 256); a window breaks them."""
     assert check.tokens >= 1500 and check.policy.cap == 256
     outcome, result = runner.stream_check(
         name=check.name,
@@ -61,7 +71,9 @@ def test_bundled_budgets_show_the_cliff(runner: Runner, check) -> None:  # type:
     assert metrics["kv_entries"] == 256
     assert result.candidate.evicted == check.tokens - 256
     # Before the first eviction every policy holds the same tokens: only batching differs.
-    assert metrics["pre_eviction_ppl"] == pytest.approx(metrics["baseline_pre_eviction_ppl"], rel=2e-3)
+    assert metrics["pre_eviction_ppl"] == pytest.approx(
+        metrics["baseline_pre_eviction_ppl"], rel=2e-3
+    )
 
 
 @pytest.mark.kv_budget(max_ppl_increase_pct=25, max_post_eviction_ppl=13.5, max_kv_entries=256)
@@ -80,7 +92,7 @@ def short_ids(runner: Runner) -> list[int]:
 def test_eviction_bookkeeping_matches_the_engine(
     runner: Runner, short_ids: list[int], positions: str, step: int
 ) -> None:
-    """The adapter cross-checks llama.cpp's seq positions after every eviction (EngineError if not)."""
+    """The adapter checks llama.cpp's seq positions after every eviction (EngineError if not)."""
     engine, _ = runner.engine("llama_cpp", SMOLLM2)
     policy = make_policy("sink", cap=64, sinks=4, positions=positions, evict_step=step)
     run = run_stream(engine, policy, short_ids)

@@ -10,7 +10,12 @@ from pytest_kvguard.models import ModelRef, env_var_for, parse_model, read_arch
 
 def test_arch_from_gguf_metadata(tiny_gguf: Path) -> None:
     arch = read_arch(tiny_gguf)
-    assert (arch.n_layers, arch.n_kv_heads, arch.head_dim_k, arch.context_length) == (4, 2, 32, 2048)
+    assert (arch.n_layers, arch.n_kv_heads, arch.head_dim_k, arch.context_length) == (
+        4,
+        2,
+        32,
+        2048,
+    )
     assert arch.sliding_window is None and not any(arch.swa_layers)
     assert arch.kv_bytes_per_token() == 4 * 2 * 2 * 32 * 2  # layers x K,V x heads x dim x f16
 

@@ -35,7 +35,9 @@ checks:
 def fake_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(ENGINES, "fake", kvguard_fake_engine.INFO)
     monkeypatch.setitem(
-        ENGINES, "ghost", EngineInfo("ghost", "x", "no_such_engine_mod", "ghost", "pip install ghost")
+        ENGINES,
+        "ghost",
+        EngineInfo("ghost", "x", "no_such_engine_mod", "ghost", "pip install ghost"),
     )
     monkeypatch.delenv("KVGUARD_FAKE_FAIL", raising=False)
 
@@ -84,7 +86,9 @@ def test_k_selects_checks(gate: pytest.Pytester) -> None:
 @pytest.mark.parametrize(
     ("offset", "passes"), [(-0.01, False), (0.0, True), (0.01, True)], ids=["below", "at", "above"]
 )
-def test_budget_edge_on_the_measured_value(gate: pytest.Pytester, offset: float, passes: bool) -> None:
+def test_budget_edge_on_the_measured_value(
+    gate: pytest.Pytester, offset: float, passes: bool
+) -> None:
     # First learn the exact measured increase, then set the budget just below, at and above it.
     write_budgets(gate, sink_budget=1000)
     gate.runpytest("--kvguard", "budgets.yaml", "--kvguard-json", "r.json", "-k", "sink")
@@ -118,12 +122,17 @@ def test_tightened_budget_fails_with_one_line(gate: pytest.Pytester) -> None:
 def test_negative_control_that_passes_fails_the_run(gate: pytest.Pytester) -> None:
     gate.makefile(
         ".yaml",
-        budgets=CHECKS.format(sink_budget=20).replace("max_ppl_increase_pct: 5}", "max_kv_entries: 64}"),
+        budgets=CHECKS.format(sink_budget=20).replace(
+            "max_ppl_increase_pct: 5}", "max_kv_entries: 64}"
+        ),
     )
     result = gate.runpytest("--kvguard", "budgets.yaml")
     assert result.ret == 1
     result.stdout.fnmatch_lines(
-        ["negative control not caught: window/64 reidx step1 stayed within kv<=64 *[[]budgets.yaml:11]"]
+        [
+            "negative control not caught: window/64 reidx step1 stayed within kv<=64 "
+            "*[[]budgets.yaml:11]"
+        ]
     )
     result.stdout.fnmatch_lines(["toy-window *MISSED"])
 
@@ -216,11 +225,16 @@ def test_misspelt_marker_budget_is_a_usage_error(gate: pytest.Pytester) -> None:
     )
     result = gate.runpytest()
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["ERROR: *test_x: bad @pytest.mark.kv_budget: *max_ppl_increse_pct*"])
+    result.stderr.fnmatch_lines(
+        ["ERROR: *test_x: bad @pytest.mark.kv_budget: *max_ppl_increse_pct*"]
+    )
 
 
 BAD_INPUTS = {
-    "malformed": ("version: 1\nchecks:\n  - name: a\n    policy: [sink\n", "budgets.yaml:4: malformed YAML*"),
+    "malformed": (
+        "version: 1\nchecks:\n  - name: a\n    policy: [sink\n",
+        "budgets.yaml:4: malformed YAML*",
+    ),
     "wrong_type": (
         "version: 1\nchecks:\n  - name: a\n    engine: fake\n    model: tiny.gguf\n"
         "    policy: sink\n    params: {cap: many}\n",
@@ -294,7 +308,9 @@ def test_help_does_not_import_an_engine(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest_subprocess(
         "-p", "no:cacheprovider", "--help",
     )  # fmt: skip
-    result.stdout.fnmatch_lines(["kvguard: KV-cache policy regression gate:", "*--kvguard=BUDGETS_YAML*"])
+    result.stdout.fnmatch_lines(
+        ["kvguard: KV-cache policy regression gate:", "*--kvguard=BUDGETS_YAML*"]
+    )
     probe = pytester.makepyfile(
         probe="""
 import sys, subprocess

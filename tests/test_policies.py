@@ -8,7 +8,12 @@ from pytest_kvguard.policies import make_policy
 
 def test_sink_defaults_to_four_pinned_tokens() -> None:
     policy = make_policy("sink", cap=256)
-    assert (policy.sinks, policy.cap, policy.positions, policy.evict_step) == (4, 256, "reindexed", 1)
+    assert (policy.sinks, policy.cap, policy.positions, policy.evict_step) == (
+        4,
+        256,
+        "reindexed",
+        1,
+    )
     assert policy.describe() == "sink4/256 reidx step1"
 
 

@@ -53,7 +53,12 @@ def test_split_compares_the_same_tokens() -> None:
 def test_progress_is_reported() -> None:
     engine = kvguard_fake_engine.FakeEngine()
     seen: list[tuple[int, int]] = []
-    run_stream(engine, make_policy("full"), engine.tokenize("x" * 4 * 1000), lambda d, t: seen.append((d, t)))
+    run_stream(
+        engine,
+        make_policy("full"),
+        engine.tokenize("x" * 4 * 1000),
+        lambda d, t: seen.append((d, t)),
+    )
     assert seen[-1] == (1000, 1000) and len(seen) >= 3
 
 

@@ -77,13 +77,18 @@ class EngineOptions:
     @classmethod
     def from_env(cls) -> EngineOptions:
         kwargs: dict[str, int] = {}
-        for attr, var in (("n_threads", "KVGUARD_THREADS"), ("n_gpu_layers", "KVGUARD_N_GPU_LAYERS")):
+        for attr, var in (
+            ("n_threads", "KVGUARD_THREADS"),
+            ("n_gpu_layers", "KVGUARD_N_GPU_LAYERS"),
+        ):
             raw = os.environ.get(var)
             if raw:
                 try:
                     kwargs[attr] = int(raw)
                 except ValueError:
-                    raise KvguardError(f"${var}={raw!r} is not an integer", fix=f"unset {var}") from None
+                    raise KvguardError(
+                        f"${var}={raw!r} is not an integer", fix=f"unset {var}"
+                    ) from None
         return cls(**kwargs)
 
 

@@ -126,8 +126,10 @@ class LlamaCppStream:
             raise EngineError(f"llama.cpp could not create a context: {_log_excerpt()}")
         self.ctx = ctx
         self.memory = lc.llama_get_memory(ctx)
-        if policy.positions == "reindexed" and policy.bounded and not lc.llama_memory_can_shift(
-            self.memory
+        if (
+            policy.positions == "reindexed"
+            and policy.bounded
+            and not lc.llama_memory_can_shift(self.memory)
         ):
             self.close()
             raise EngineError(
@@ -155,7 +157,9 @@ class LlamaCppStream:
         """Drop the `count` oldest unpinned tokens, as a decoder under this policy would."""
         first = self._oldest_unpinned
         if not lc.llama_memory_seq_rm(self.memory, SEQ, first, first + count):
-            raise EngineError(f"llama_memory_seq_rm refused to remove positions {first}..{first + count}")
+            raise EngineError(
+                f"llama_memory_seq_rm refused to remove positions {first}..{first + count}"
+            )
         if self.policy.positions == "reindexed":
             lc.llama_memory_seq_add(self.memory, SEQ, first + count, -1, -count)
             self._next_pos -= count
@@ -185,7 +189,9 @@ class LlamaCppStream:
         cap = self.policy.cap
         if cap is not None:
             if n > cap - self.policy.sinks:
-                raise ValueError(f"a batch of {n} cannot fit beside {self.policy.sinks} sinks in {cap}")
+                raise ValueError(
+                    f"a batch of {n} cannot fit beside {self.policy.sinks} sinks in {cap}"
+                )
             while self._held + n > cap:
                 self._evict(self.policy.evict_step)
         batch = self.batch
