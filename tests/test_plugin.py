@@ -157,6 +157,7 @@ def test_partial_run_is_not_a_pass(gate: pytest.Pytester) -> None:
     result.assert_outcomes(failed=1)
     report = json.loads((gate.path / "r.json").read_text())
     assert report["complete"] is False and report["verdict"] == "fail"
+    assert report["missing_checks"] == ["budgets.yaml::toy-window"]
 
 
 def test_lf_reruns_only_the_failed_check(gate: pytest.Pytester) -> None:
