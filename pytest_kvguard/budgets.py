@@ -56,6 +56,23 @@ class Budgets:
         "KV entries held per layer at the end of the run (deterministic).",
     )
 
+    max_mean_abs_nll_diff: float | None = _limit(
+        "mean_abs_nll_diff",
+        "max",
+        " nats",
+        "|dNLL|",
+        "mean per-token |NLL difference| between engines",
+        "parity: mean over tokens of |NLL(engine A) - NLL(engine B)| on the same ids, in nats.",
+    )
+    max_ppl_diff_pct: float | None = _limit(
+        "ppl_diff_pct",
+        "max",
+        "%",
+        "ppl diff",
+        "perplexity difference between engines",
+        "parity: |ppl(B) / ppl(A) - 1| in percent.",
+    )
+
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)

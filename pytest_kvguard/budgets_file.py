@@ -30,7 +30,7 @@ from typing import Any
 import yaml
 
 from pytest_kvguard.budgets import Budgets, unknown_key_error
-from pytest_kvguard.engines import require_installed
+from pytest_kvguard.engines import ENGINES, check_policy, require_installed
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.models import ModelRef, parse_model
 from pytest_kvguard.policies import Policy, make_policy
@@ -38,17 +38,21 @@ from pytest_kvguard.scenarios.stream import check_reaches_eviction
 from pytest_kvguard.texts import DEFAULT_TEXT
 
 SCHEMA_VERSION = 1
-SCENARIOS = {"stream": "feed a long text far past the cache's capacity, score every next token"}
+SCENARIOS = {
+    "stream": "feed a long text far past the cache's capacity, score every next token",
+    "parity": "full cache on two engines, same token ids: per-token NLL must agree",
+}
 CHECK_KEYS = [
-    "name", "scenario", "engine", "model", "policy", "baseline", "params", "budgets", "expect",
-    "reason",
+    "name", "scenario", "engine", "engines", "model", "policy", "baseline", "params", "budgets",
+    "expect", "reason",
 ]  # fmt: skip
-DEFAULT_KEYS = ["scenario", "engine", "model", "baseline", "params", "budgets"]
+DEFAULT_KEYS = ["scenario", "engine", "engines", "model", "baseline", "params", "budgets"]
 STREAM_PARAMS = {
     "tokens": "token ids fed (default 1500)",
     "cap": "KV entries kept per layer, sinks included",
     "sinks": "pinned leading tokens (sink policy; default 4)",
-    "positions": "reindexed (llama.cpp context shift) or absolute (default reindexed)",
+    "positions": "reindexed (llama.cpp context shift) or absolute (mlx-lm); default: the "
+    "engine's own (llama_cpp reindexed, mlx absolute)",
     "evict_step": "tokens dropped per eviction (default 1)",
     "text": f"'{DEFAULT_TEXT}' (CPython's pydoc topics) or a UTF-8 file (default {DEFAULT_TEXT})",
 }
@@ -85,6 +89,7 @@ class Check:
     name: str
     scenario: str
     engine: str
+    """The engine; for parity, the reference engine."""
     model: ModelRef
     policy: Policy
     baseline: Policy
@@ -95,6 +100,8 @@ class Check:
     reason: str | None
     path: Path
     line: int
+    other_engine: str | None = None
+    """Parity only: the engine compared against ``engine``."""
 
     @property
     def location(self) -> str:
@@ -243,11 +250,13 @@ def _parse_check(entry: _Located, defaults: _Located, path: Path) -> Check:
         raise unknown_key_error("scenario", scenario, list(SCENARIOS)).located(
             path, line_of("scenario")
         )
-    engine = text_field("engine")
-    try:
-        require_installed(engine)
-    except KvguardError as exc:
-        raise exc.located(path, line_of("engine")) from None
+    engines = _engine_names(entry, defaults, scenario, path)
+    for engine_name, engine_line in engines:
+        try:
+            require_installed(engine_name)
+        except KvguardError as exc:
+            raise exc.located(path, engine_line) from None
+    engine = engines[0][0]
     try:
         model = parse_model(text_field("model"), path.parent)
     except KvguardError as exc:
@@ -278,22 +287,36 @@ def _parse_check(entry: _Located, defaults: _Located, path: Path) -> Check:
     def policy_for(key: str, default: str | None) -> Policy:
         kind = text_field(key, default)
         try:
-            return make_policy(
+            policy = make_policy(
                 kind,
                 cap=int_param("cap", None),
                 sinks=int_param("sinks", None),
-                positions=str_param("positions", "reindexed"),
+                positions=str_param("positions", ENGINES[engine].position_modes[0]),
                 evict_step=int_param("evict_step", 1) or 1,
             )
+            for engine_name, _ in engines:
+                check_policy(engine_name, policy)
+            return policy
         except KvguardError as exc:
             raise exc.located(path, line_of(key)) from None
 
-    policy = policy_for("policy", None)
-    baseline = policy_for("baseline", "full")
-    try:
-        check_reaches_eviction(policy, tokens)
-    except KvguardError as exc:
-        raise exc.located(path, params.key_lines.get("tokens", line_of("policy"))) from None
+    if scenario == "parity":
+        for key in ("policy", "baseline"):
+            if key in entry:
+                raise KvguardError(
+                    "parity runs the full cache on both engines",
+                    path=path,
+                    line=line_of(key),
+                    fix=f"remove '{key}'",
+                )
+        policy = baseline = policy_for("policy", "full")
+    else:
+        policy = policy_for("policy", None)
+        baseline = policy_for("baseline", "full")
+        try:
+            check_reaches_eviction(policy, tokens)
+        except KvguardError as exc:
+            raise exc.located(path, params.key_lines.get("tokens", line_of("policy"))) from None
 
     budgets_raw = _merged(defaults, entry, "budgets", path)
     try:
@@ -348,4 +371,43 @@ def _parse_check(entry: _Located, defaults: _Located, path: Path) -> Check:
         reason=str(reason) if reason else None,
         path=path,
         line=entry.line,
+        other_engine=engines[1][0] if scenario == "parity" else None,
     )
+
+
+def _engine_names(
+    entry: _Located, defaults: _Located, scenario: str, path: Path
+) -> list[tuple[str, int]]:
+    """(engine, line) for the check: one for stream, exactly two (``engines:``) for parity."""
+    if scenario != "parity":
+        if "engines" in entry:
+            raise KvguardError(
+                "'engines' is for parity checks",
+                path=path,
+                line=entry.key_lines["engines"],
+                fix="use 'engine: NAME' for a stream check",
+            )
+        source = entry if "engine" in entry else defaults
+        value = source.get("engine")
+        line = source.key_lines.get("engine", entry.line) if value is not None else entry.line
+        if not isinstance(value, str):
+            raise KvguardError(
+                "check is missing 'engine'"
+                if value is None
+                else f"engine must be a name, got {value!r}",
+                path=path,
+                line=line,
+                fix="add 'engine: llama_cpp' (or mlx)",
+            )
+        return [(value, line)]
+    source = entry if "engines" in entry else defaults
+    value = source.get("engines")
+    line = source.key_lines.get("engines", entry.line)
+    if not (isinstance(value, list) and len(value) == 2 and all(isinstance(v, str) for v in value)):
+        raise KvguardError(
+            "a parity check needs 'engines' with exactly two engine names",
+            path=path,
+            line=line,
+            fix="write engines: [llama_cpp, mlx]",
+        )
+    return [(value[0], line), (value[1], line)]

@@ -14,12 +14,18 @@ import pytest
 
 from pytest_kvguard.budgets import Budgets
 from pytest_kvguard.budgets_file import BudgetsFile, Check, load_budgets_file
-from pytest_kvguard.engines import ENGINES, EngineOptions, installed_version
+from pytest_kvguard.engines import (
+    ENGINES,
+    EngineOptions,
+    check_policy,
+    engine_info,
+    installed_version,
+)
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.models import parse_model
 from pytest_kvguard.policies import make_policy
 from pytest_kvguard.report import build_report, error_row, render_table, write_json
-from pytest_kvguard.runner import CheckOutcome, Runner
+from pytest_kvguard.runner import CheckOutcome, Runner, run_check
 from pytest_kvguard.texts import DEFAULT_TEXT
 
 BUDGETS_KEY = pytest.StashKey[BudgetsFile]()
@@ -122,7 +128,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
             f"kvguard: budgets {budgets_file.path} ({len(budgets_file.checks)} checks, "
             f"sha256 {budgets_file.sha256[:12]})"
         )
-        engines = sorted({c.engine for c in budgets_file.checks})
+        engines = sorted({e for c in budgets_file.checks for e in (c.engine, c.other_engine) if e})
         models = {c.model.name: c.model.resolve() for c in budgets_file.checks}
         lines.append(
             "kvguard engines: "
@@ -167,19 +173,7 @@ class CheckItem(pytest.Item):
     def runtest(self) -> None:
         check = self.check
         try:
-            outcome, _ = _runner(self.config).stream_check(
-                name=check.name,
-                engine=check.engine,
-                model=check.model,
-                policy=check.policy,
-                baseline=check.baseline,
-                tokens=check.tokens,
-                text=check.text,
-                budgets=check.budgets,
-                expect_violation=check.expect_violation,
-                reason=check.reason,
-                text_base=check.path.parent,
-            )
+            outcome = run_check(_runner(self.config), check)
         except KvguardError as exc:
             self.user_properties.append((PROPERTY, json.dumps(error_row(check.name, str(exc)))))
             raise KvguardError(str(exc.located(check.path, check.line))) from None
@@ -223,7 +217,7 @@ class KvguardFixture:
         policy: str = "sink",
         cap: int | None = 256,
         sinks: int | None = None,
-        positions: str = "reindexed",
+        positions: str | None = None,
         evict_step: int = 1,
         baseline: str = "full",
         tokens: int = 1500,
@@ -231,19 +225,50 @@ class KvguardFixture:
         engine: str = "llama_cpp",
         model: str = "smollm2-135m",
     ) -> CheckOutcome:
-        """Run the ``stream`` scenario; returns the figures (``.metrics``) and verdict."""
+        """Run the ``stream`` scenario; returns the figures (``.metrics``) and verdict.
+
+        ``positions`` defaults to the engine's own handling (llama_cpp reindexed, mlx absolute).
+        """
         node = self._request.node
         try:
+            positions = positions or engine_info(engine).position_modes[0]
             candidate = make_policy(
                 policy, cap=cap, sinks=sinks, positions=positions, evict_step=evict_step
             )
             base = make_policy(baseline, cap=cap, positions=positions, evict_step=evict_step)
+            for kind in (candidate, base):
+                check_policy(engine, kind)
             outcome, _ = _runner(node.config).stream_check(
                 name=node.name,
                 engine=engine,
                 model=parse_model(model, node.path.parent),
                 policy=candidate,
                 baseline=base,
+                tokens=tokens,
+                text=text,
+                budgets=self.budgets,
+                text_base=node.path.parent,
+            )
+        except KvguardError as exc:
+            pytest.fail(str(exc), pytrace=False)
+        _record(node, outcome)
+        return outcome
+
+    def parity(
+        self,
+        *,
+        engines: tuple[str, str] = ("llama_cpp", "mlx"),
+        tokens: int = 512,
+        text: str = DEFAULT_TEXT,
+        model: str = "smollm2-135m",
+    ) -> CheckOutcome:
+        """Run the ``parity`` scenario: full cache on two engines, the same token ids."""
+        node = self._request.node
+        try:
+            outcome, _ = _runner(node.config).parity_check(
+                name=node.name,
+                engines=engines,
+                model=parse_model(model, node.path.parent),
                 tokens=tokens,
                 text=text,
                 budgets=self.budgets,

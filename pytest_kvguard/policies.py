@@ -10,7 +10,11 @@ POLICY_KINDS = {
     "full": "keep every token (the reference)",
     "window": "keep the `cap` most recent tokens, nothing pinned",
     "sink": "pin the first `sinks` tokens, rotate the rest; `cap` counts the sinks",
+    "swa": "the model's own sliding-window cache (mlx-lm make_cache())",
+    "engine_default": "whatever the engine does when a user asks for `cap` "
+    "(mlx-lm make_prompt_cache(model, max_kv_size=cap))",
 }
+CAPPED_KINDS = ("window", "sink", "engine_default")
 
 POSITION_MODES = {
     "reindexed": "survivors shift down after eviction (llama.cpp context shift, StreamingLLM)",
@@ -37,13 +41,16 @@ class Policy:
 
     @property
     def bounded(self) -> bool:
+        """Whether the policy may evict (or, for engine_default, was asked to)."""
         return self.kind != "full"
 
     def describe(self) -> str:
-        """Short label for tables: ``sink4/256 reidx s1``."""
-        if not self.bounded:
+        """Short label for tables: ``sink4/256 reidx step1``."""
+        if self.kind == "full":
             return "full"
-        label = f"sink{self.sinks}/{self.cap}" if self.kind == "sink" else f"window/{self.cap}"
+        if self.kind == "swa":
+            return "swa (model window)"
+        label = f"sink{self.sinks}/{self.cap}" if self.kind == "sink" else f"{self.kind}/{self.cap}"
         pos = "reidx" if self.positions == "reindexed" else "abs"
         return f"{label} {pos} step{self.evict_step}"
 
@@ -56,7 +63,10 @@ def make_policy(
     positions: str = "reindexed",
     evict_step: int = 1,
 ) -> Policy:
-    """Build a policy, refusing combinations that would not mean what they say."""
+    """Build a policy, refusing combinations that would not mean what they say.
+
+    ``full`` and ``swa`` take no cap (the model decides what a full or sliding layer keeps).
+    """
     if kind not in POLICY_KINDS:
         raise KvguardError(f"unknown policy '{kind}'", fix="use one of " + ", ".join(POLICY_KINDS))
     if positions not in POSITION_MODES:
@@ -67,13 +77,15 @@ def make_policy(
     if kind == "full":
         # A full cache never evicts, so cap/sinks/positions do not apply to it.
         return Policy("full")
+    if kind == "swa":
+        return Policy("swa", positions=positions)
     if cap is None:
         raise KvguardError(f"policy '{kind}' needs a cap", fix="set params.cap, e.g. cap: 256")
     if sinks is None:
         sinks = DEFAULT_SINKS if kind == "sink" else 0
-    if kind == "window" and sinks:
+    if kind in ("window", "engine_default") and sinks:
         raise KvguardError(
-            "policy 'window' pins nothing, but sinks is set",
+            f"policy '{kind}' does not take sinks",
             fix="use policy 'sink' to pin tokens, or remove sinks",
         )
     if kind == "sink" and sinks < 1:

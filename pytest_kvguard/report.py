@@ -32,7 +32,6 @@ def table_rows(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
         if row["verdict"] == "ERROR":
             out.append([row["name"]] + ["-"] * 9 + ["ERROR"])
             continue
-        m = row["metrics"]
         out.append(
             [
                 row["name"],
@@ -41,9 +40,9 @@ def table_rows(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
                 row["policy"],
                 str(row["tokens"]),
                 row["baseline"],
-                f"{m['baseline_post_eviction_ppl']:.2f}",
-                f"{m['post_eviction_ppl']:.2f}",
-                f"{m['ppl_increase_pct']:+.1f}%",
+                f"{row['base_ppl']:.2f}",
+                f"{row['ppl']:.2f}",
+                f"{row['delta_pct']:+.1f}%",
                 row["budget_text"],
                 row["verdict"],
             ]

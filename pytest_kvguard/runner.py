@@ -10,10 +10,12 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from pytest_kvguard.budgets import Budgets
+from pytest_kvguard.budgets_file import Check
 from pytest_kvguard.engines import Engine, EngineOptions, load_engine
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.models import ModelRef, file_sha256, read_arch
-from pytest_kvguard.policies import Policy
+from pytest_kvguard.policies import Policy, make_policy
+from pytest_kvguard.scenarios.parity import ParityResult, compare_parity
 from pytest_kvguard.scenarios.stream import StreamResult, StreamRun, compare, run_stream
 from pytest_kvguard.texts import Text, load_text
 
@@ -40,16 +42,22 @@ class CheckOutcome:
     name: str
     scenario: str
     engine: str
+    """Engine name; ``a vs b`` for parity."""
     engine_version: str
     model: str
     model_path: str
     model_sha256: str
-    kv_bytes_per_token: float
+    kv_bytes_per_token: float | None
+    """From GGUF metadata at f16; None for a model that is not a GGUF file."""
     policy: str
     baseline: str
     tokens: int
     text: str
     text_sha256: str
+    base_ppl: float
+    """What the table shows as the baseline's perplexity (post-eviction for stream)."""
+    ppl: float
+    delta_pct: float
     metrics: dict[str, float]
     budgets: dict[str, float]
     budget_text: str
@@ -60,6 +68,8 @@ class CheckOutcome:
     """Wall time per run (reported, never gated); 0.0 for a run reused from earlier."""
     tokens_per_second: float
     engine_info: dict[str, str] = field(default_factory=dict)
+    layer_sizes: list[tuple[int, int]] = field(default_factory=list)
+    """(tokens seen, entries held) per layer for the candidate, where the engine exposes it."""
 
     @property
     def verdict(self) -> str:
@@ -84,7 +94,7 @@ class Runner:
         self.options = options
         self.say: Say = say or (lambda line, detail=False: None)
         self._engines: dict[tuple[str, Path], Engine] = {}
-        self._tokens: dict[tuple[str, Path, str], list[int]] = {}
+        self._tokens: dict[tuple[Path, str], list[int]] = {}
         self._runs: dict[tuple[str, Path, str, int, Policy], StreamRun] = {}
 
     def engine(self, name: str, model: ModelRef) -> tuple[Engine, Path]:
@@ -96,9 +106,13 @@ class Runner:
         return self._engines[key], path
 
     def token_ids(self, engine_name: str, model: ModelRef, text: Text, count: int) -> list[int]:
-        """The first ``count`` token ids of ``text``; identical for every policy on this model."""
+        """The first ``count`` token ids of ``text``: the same ids for every engine and policy.
+
+        Ids are cached per model file, so a second engine reuses the first one's ids (for GGUF
+        models both use llama.cpp's tokenizer anyway).
+        """
         engine, path = self.engine(engine_name, model)
-        key = (engine_name, path, text.sha256)
+        key = (path, text.sha256)
         cached = self._tokens.get(key, [])
         chars = count * 8
         while len(cached) < count + 16 and chars < 2 * len(text.content):
@@ -133,6 +147,16 @@ class Runner:
         self._runs[key] = run
         return run, True
 
+    def _model_facts(self, engine: str, model: ModelRef) -> dict[str, Any]:
+        loaded, path = self.engine(engine, model)
+        is_gguf = path.is_file()
+        return {
+            "model": model.name,
+            "model_path": str(path),
+            "model_sha256": file_sha256(path) if is_gguf else "",
+            "kv_bytes_per_token": read_arch(path).kv_bytes_per_token() if is_gguf else None,
+        }
+
     def stream_check(
         self,
         *,
@@ -154,26 +178,25 @@ class Runner:
         cand_run, cand_new = self.stream_run(engine, model, policy, loaded_text, tokens)
         result = compare(cand_run, base_run)
         metrics = result.metrics
-        violations = budgets.check(metrics)
-        loaded, path = self.engine(engine, model)
+        loaded, _ = self.engine(engine, model)
         outcome = CheckOutcome(
             name=name,
             scenario="stream",
             engine=engine,
             engine_version=loaded.version(),
-            model=model.name,
-            model_path=str(path),
-            model_sha256=file_sha256(path),
-            kv_bytes_per_token=read_arch(path).kv_bytes_per_token(),
+            **self._model_facts(engine, model),
             policy=policy.describe(),
             baseline=baseline.describe(),
             tokens=tokens,
             text=loaded_text.name,
             text_sha256=loaded_text.sha256,
+            base_ppl=metrics["baseline_post_eviction_ppl"],
+            ppl=metrics["post_eviction_ppl"],
+            delta_pct=metrics["ppl_increase_pct"],
             metrics=metrics,
             budgets=budgets.declared(),
             budget_text=budgets.describe(),
-            violations=[v.message for v in violations],
+            violations=[v.message for v in budgets.check(metrics)],
             expect_violation=expect_violation,
             reason=reason,
             seconds={
@@ -182,7 +205,61 @@ class Runner:
             },
             tokens_per_second=cand_run.tokens_per_second,
             engine_info=loaded.describe(),
+            layer_sizes=cand_run.layer_sizes,
         )
+        return outcome, result
+
+    def parity_check(
+        self,
+        *,
+        name: str,
+        engines: tuple[str, str],
+        model: ModelRef,
+        tokens: int,
+        text: str,
+        budgets: Budgets,
+        expect_violation: bool = False,
+        reason: str | None = None,
+        text_base: Path | None = None,
+    ) -> tuple[CheckOutcome, ParityResult]:
+        """Full-cache runs on two engines over the same token ids; per-token NLL must agree."""
+        loaded_text = load_text(text, text_base or Path.cwd())
+        full = make_policy("full")
+        ref_name, other_name = engines
+        ref_run, ref_new = self.stream_run(ref_name, model, full, loaded_text, tokens)
+        other_run, other_new = self.stream_run(other_name, model, full, loaded_text, tokens)
+        result = compare_parity(ref_run, other_run)
+        metrics = result.metrics
+        ref, _ = self.engine(ref_name, model)
+        other, _ = self.engine(other_name, model)
+        outcome = CheckOutcome(
+            name=name,
+            scenario="parity",
+            engine=f"{ref_name} vs {other_name}",
+            engine_version=f"{ref.version()} / {other.version()}",
+            **self._model_facts(ref_name, model),
+            policy=f"full ({other_name})",
+            baseline=f"full ({ref_name})",
+            tokens=tokens,
+            text=loaded_text.name,
+            text_sha256=loaded_text.sha256,
+            base_ppl=metrics["reference_ppl"],
+            ppl=metrics["other_ppl"],
+            delta_pct=metrics["ppl_ratio_pct"],
+            metrics=metrics,
+            budgets=budgets.declared(),
+            budget_text=budgets.describe(),
+            violations=[v.message for v in budgets.check(metrics)],
+            expect_violation=expect_violation,
+            reason=reason,
+            seconds={
+                ref_name: ref_run.seconds if ref_new else 0.0,
+                other_name: other_run.seconds if other_new else 0.0,
+            },
+            tokens_per_second=other_run.tokens_per_second,
+            engine_info={**{f"{ref_name}.{k}": v for k, v in ref.describe().items()},
+                         **{f"{other_name}.{k}": v for k, v in other.describe().items()}},
+        )  # fmt: skip
         return outcome, result
 
     def close(self) -> None:
@@ -190,3 +267,25 @@ class Runner:
             engine.close()
         self._engines.clear()
         self._runs.clear()
+
+
+def run_check(runner: Runner, check: Check) -> CheckOutcome:
+    """Run one declared check from a budgets file."""
+    common: dict[str, Any] = {
+        "name": check.name,
+        "model": check.model,
+        "tokens": check.tokens,
+        "text": check.text,
+        "budgets": check.budgets,
+        "expect_violation": check.expect_violation,
+        "reason": check.reason,
+        "text_base": check.path.parent,
+    }
+    if check.scenario == "parity":
+        assert check.other_engine is not None
+        outcome, _ = runner.parity_check(engines=(check.engine, check.other_engine), **common)
+    else:
+        outcome, _ = runner.stream_check(
+            engine=check.engine, policy=check.policy, baseline=check.baseline, **common
+        )
+    return outcome

@@ -84,3 +84,9 @@ class FakeStream:
 
     def close(self) -> None:
         pass
+
+    def figures(self) -> dict[str, float]:
+        return {"kv_bytes": float(self.held * 64)}
+
+    def layer_sizes(self) -> list[tuple[int, int]]:
+        return [(self.fed, self.held)]

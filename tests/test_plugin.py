@@ -249,7 +249,7 @@ BAD_INPUTS = {
     "unknown_policy": (
         "version: 1\nchecks:\n  - name: a\n    engine: fake\n    model: tiny.gguf\n"
         "    policy: sinks\n    params: {cap: 64}\n",
-        "budgets.yaml:6: unknown policy 'sinks' (fix: use one of full, window, sink)",
+        "budgets.yaml:6: unknown policy 'sinks' (fix: use one of full, window, sink, swa, *",
     ),
     "unknown_scenario": (
         "version: 1\nchecks:\n  - name: a\n    scenario: stram\n",

@@ -26,7 +26,7 @@ def test_full_ignores_cap() -> None:
     [
         ({"kind": "sinks", "cap": 9}, "unknown policy 'sinks'"),
         ({"kind": "window"}, "needs a cap"),
-        ({"kind": "window", "cap": 64, "sinks": 4}, "pins nothing"),
+        ({"kind": "window", "cap": 64, "sinks": 4}, "does not take sinks"),
         ({"kind": "sink", "cap": 64, "sinks": 0}, "needs sinks >= 1"),
         ({"kind": "sink", "cap": 4, "sinks": 4}, "leaves no room"),
         ({"kind": "sink", "cap": 64, "positions": "relative"}, "unknown position handling"),

@@ -41,6 +41,14 @@ class Stream(Protocol):
         """Tokens evicted so far."""
         ...
 
+    def figures(self) -> dict[str, float]:
+        """Engine-measured memory figures now (bytes), e.g. kv_bytes, peak_memory_bytes."""
+        ...
+
+    def layer_sizes(self) -> list[tuple[int, int]]:
+        """(tokens seen, KV entries held) per layer, where the engine exposes it; else []."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -103,6 +111,12 @@ class EngineInfo:
     """The engine's own top-level module."""
     distribution: str
     install: str
+    policies: tuple[str, ...] = ("full", "window", "sink")
+    """Policy kinds the adapter implements."""
+    position_modes: tuple[str, ...] = ("reindexed", "absolute")
+    """Position handling it supports; the first is its own (the default)."""
+    fixed_evict_step: int | None = None
+    """Set when the engine only evicts this many tokens per step."""
 
 
 ENGINES: dict[str, EngineInfo] = {
@@ -116,6 +130,16 @@ ENGINES: dict[str, EngineInfo] = {
             'CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON '
             '-DGGML_F16C=ON" pip install "pytest-kvguard[llama]"',
         ),
+        EngineInfo(
+            "mlx",
+            "pytest_kvguard.engines.mlx",
+            "mlx_lm",
+            "mlx-lm",
+            'pip install "pytest-kvguard[mlx]"',
+            policies=("full", "window", "sink", "swa", "engine_default"),
+            position_modes=("absolute",),
+            fixed_evict_step=1,
+        ),
     )
 }
 
@@ -127,6 +151,27 @@ def engine_info(name: str) -> EngineInfo:
         raise KvguardError(
             f"unknown engine '{name}'", fix="use one of " + ", ".join(ENGINES)
         ) from None
+
+
+def check_policy(name: str, policy: Policy) -> None:
+    """Refuse a policy, position handling or eviction step the engine's adapter cannot run."""
+    info = engine_info(name)
+    if policy.kind not in info.policies:
+        raise KvguardError(
+            f"engine '{name}' does not implement policy '{policy.kind}'",
+            fix="use one of " + ", ".join(info.policies),
+        )
+    if policy.bounded and policy.positions not in info.position_modes:
+        raise KvguardError(
+            f"engine '{name}' cannot run positions '{policy.positions}'",
+            fix="use positions: " + " or ".join(info.position_modes),
+        )
+    step = info.fixed_evict_step
+    if policy.bounded and step is not None and policy.evict_step != step:
+        raise KvguardError(
+            f"engine '{name}' evicts {step} token(s) per step, not {policy.evict_step}",
+            fix=f"use evict_step: {step}",
+        )
 
 
 def require_installed(name: str) -> EngineInfo:

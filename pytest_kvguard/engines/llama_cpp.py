@@ -54,6 +54,38 @@ def load(model_path: Path, options: EngineOptions) -> LlamaCppEngine:
     return LlamaCppEngine(model_path, options)
 
 
+def _tokenize(vocab: Any, text: str) -> list[int]:
+    """Token ids with BOS where the model's metadata asks for one; special tokens not parsed."""
+    data = text.encode("utf-8")
+    add_bos = bool(lc.llama_vocab_get_add_bos(vocab))
+    capacity = len(data) + 8
+    buffer = (lc.llama_token * capacity)()
+    n = lc.llama_tokenize(vocab, data, len(data), buffer, capacity, add_bos, False)
+    if n < 0:
+        raise EngineError(f"tokenizer needed {-n} slots, had {capacity}")
+    return list(buffer[:n])
+
+
+class GgufVocab:
+    """llama.cpp's tokenizer alone (vocab-only load): how other engines get identical ids."""
+
+    def __init__(self, model_path: Path) -> None:
+        _init_backend()
+        params = lc.llama_model_default_params()
+        params.vocab_only = True
+        self.model = lc.llama_model_load_from_file(str(model_path).encode(), params)
+        if not self.model:
+            raise EngineError(f"llama.cpp could not read the vocabulary of {model_path}")
+        self.vocab = lc.llama_model_get_vocab(self.model)
+
+    def tokenize(self, text: str) -> list[int]:
+        return _tokenize(self.vocab, text)
+
+    def __del__(self) -> None:
+        if getattr(self, "model", None):
+            lc.llama_model_free(self.model)
+
+
 class LlamaCppEngine:
     """One model loaded once; each stream gets its own context (and so its own cache)."""
 
@@ -87,14 +119,7 @@ class LlamaCppEngine:
         }
 
     def tokenize(self, text: str) -> list[int]:
-        data = text.encode("utf-8")
-        add_bos = bool(lc.llama_vocab_get_add_bos(self.vocab))
-        capacity = len(data) + 8
-        buffer = (lc.llama_token * capacity)()
-        n = lc.llama_tokenize(self.vocab, data, len(data), buffer, capacity, add_bos, False)
-        if n < 0:
-            raise EngineError(f"tokenizer needed {-n} slots, had {capacity}")
-        return list(buffer[:n])
+        return _tokenize(self.vocab, text)
 
     def open_stream(self, policy: Policy, max_tokens: int) -> LlamaCppStream:
         return LlamaCppStream(self, policy, max_tokens)
@@ -212,6 +237,13 @@ class LlamaCppStream:
             logits_ptr, shape=(n, self.engine.n_vocab)
         )
         return logits.copy()
+
+    def figures(self) -> dict[str, float]:
+        # The sequence's serialized state: K and V of every cell held, plus a small header.
+        return {"kv_state_bytes": float(lc.llama_state_seq_get_size(self.ctx, SEQ))}
+
+    def layer_sizes(self) -> list[tuple[int, int]]:
+        return []  # llama.cpp holds the same cells in every layer of a non-SWA cache
 
     def close(self) -> None:
         if getattr(self, "batch", None) is not None:

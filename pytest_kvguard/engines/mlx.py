@@ -1,0 +1,185 @@
+"""mlx-lm adapter: policies are mlx-lm's own cache classes, used as mlx-lm ships them.
+
+full = ``KVCache``; sink = ``RotatingKVCache(cap, keep=S)``; window = ``RotatingKVCache(cap,
+keep=0)``; swa = the model's own ``make_cache()``; engine_default =
+``make_prompt_cache(model, max_kv_size=cap)`` exactly as mlx-lm users call it. mlx-lm stores keys
+already rotated at their absolute position, so positions are always ``absolute``.
+
+On Linux the mlx CPU wheel links a reference BLAS; when Debian's OpenBLAS is installed it is
+loaded globally *before* mlx, so mlx's BLAS calls resolve to it (~18x faster fp32 matmul).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import sys
+
+
+def _preload_openblas() -> str:
+    """Route mlx's BLAS calls to OpenBLAS where available; returns which path is in use."""
+    if sys.platform != "linux":
+        return "platform default (Accelerate / Metal)"
+    if "mlx.core" in sys.modules:
+        return (
+            "mlx's bundled reference BLAS (mlx was imported before kvguard could preload OpenBLAS)"
+        )
+    if os.environ.get("KVGUARD_MLX_BLAS") == "bundled":
+        return "mlx's bundled reference BLAS (KVGUARD_MLX_BLAS=bundled)"
+    library = ctypes.util.find_library("openblas")
+    if library is None:
+        return "mlx's bundled reference BLAS (slow: apt install libopenblas0-pthread)"
+    ctypes.CDLL(library, mode=ctypes.RTLD_GLOBAL)
+    return f"OpenBLAS ({library}), preloaded"
+
+
+BLAS_PATH = _preload_openblas()
+
+# The engine is imported only after the BLAS choice above.
+import importlib.metadata  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache  # noqa: E402
+
+from pytest_kvguard.engines import EngineOptions  # noqa: E402
+from pytest_kvguard.engines.mlx_gguf import load_gguf_model  # noqa: E402
+from pytest_kvguard.errors import EngineError, KvguardError  # noqa: E402
+from pytest_kvguard.policies import Policy  # noqa: E402
+
+
+def load(model_path: Path, options: EngineOptions) -> MlxEngine:
+    return MlxEngine(model_path, options)
+
+
+def _gguf_tokenizer(path: Path) -> Any:
+    """llama.cpp's own tokenizer for the GGUF (vocab only): both engines see the same ids."""
+    try:
+        from pytest_kvguard.engines.llama_cpp import GgufVocab
+    except ImportError:
+        raise KvguardError(
+            "tokenizing a GGUF model for mlx needs llama-cpp-python (vocab only)",
+            fix='pip install "pytest-kvguard[llama]"',
+        ) from None
+    return GgufVocab(path)
+
+
+class MlxEngine:
+    name = "mlx"
+
+    def __init__(self, model_path: Path, options: EngineOptions) -> None:
+        self.model_path = model_path
+        self.options = options
+        if model_path.is_file():
+            self.model, self.facts = load_gguf_model(model_path)
+            self._tokenizer = _gguf_tokenizer(model_path)
+            self._encode = self._tokenizer.tokenize
+        else:
+            # An mlx-lm model folder, or a hub id on machines that can reach the hub.
+            from mlx_lm import load as mlx_load
+
+            self.model, tokenizer = mlx_load(str(model_path))[:2]
+            self.facts = {"weights": "mlx_lm.load", "architecture": self.model.model_type}
+            self._encode = tokenizer.encode
+
+    def version(self) -> str:
+        return importlib.metadata.version("mlx-lm")
+
+    def describe(self) -> dict[str, str]:
+        return {
+            "engine": f"mlx-lm {self.version()}, mlx {importlib.metadata.version('mlx')}",
+            "device": str(mx.default_device()),
+            "blas": BLAS_PATH,
+            **self.facts,
+        }
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self._encode(text))
+
+    def open_stream(self, policy: Policy, max_tokens: int) -> MlxStream:
+        return MlxStream(self, policy)
+
+    def close(self) -> None:
+        self.model = None
+        mx.clear_cache()
+
+
+def make_caches(model: Any, policy: Policy) -> list[Any]:
+    """The mlx-lm cache list a policy stands for."""
+    n_layers = len(model.layers)
+    if policy.kind == "full":
+        return [KVCache() for _ in range(n_layers)]
+    if policy.kind in ("sink", "window"):
+        return [RotatingKVCache(max_size=policy.cap, keep=policy.sinks) for _ in range(n_layers)]
+    if policy.kind == "swa":
+        if not hasattr(model, "make_cache"):
+            raise KvguardError("this model defines no sliding-window cache (make_cache)")
+        return list(model.make_cache())
+    if policy.kind == "engine_default":
+        return list(make_prompt_cache(model, max_kv_size=policy.cap))
+    raise KvguardError(f"policy '{policy.kind}' is not supported by the mlx engine")
+
+
+class MlxStream:
+    def __init__(self, engine: MlxEngine, policy: Policy) -> None:
+        if policy.bounded and policy.positions != "absolute":
+            raise KvguardError(
+                "mlx-lm caches keep keys at their absolute positions",
+                fix="use positions: absolute with the mlx engine",
+            )
+        if policy.evict_step != 1:
+            raise KvguardError(
+                "mlx-lm's RotatingKVCache evicts one token per decoded token",
+                fix="use evict_step: 1 with the mlx engine",
+            )
+        self.model = engine.model
+        self.policy = policy
+        mx.synchronize()
+        mx.reset_peak_memory()
+        self.active_before = mx.get_active_memory()
+        self.cache = make_caches(self.model, policy)
+
+    def _rotating(self) -> list[Any]:
+        return [c for c in self.cache if isinstance(c, RotatingKVCache)]
+
+    @property
+    def held(self) -> int:
+        return max(int(c.size()) for c in self.cache)
+
+    @property
+    def evicted(self) -> int:
+        return max((int(c.offset - c.size()) for c in self._rotating()), default=0)
+
+    def room(self) -> int | None:
+        rotating = self._rotating()
+        if not rotating:
+            return None
+        return min(int(c.max_size - c.size()) for c in rotating)
+
+    def feed(self, token_ids: Sequence[int]) -> np.ndarray:
+        try:
+            logits = self.model(mx.array(list(token_ids))[None], cache=self.cache)
+            out = np.array(logits[0].astype(mx.float32))
+        except (RuntimeError, ValueError) as exc:
+            raise EngineError(f"mlx-lm forward pass failed: {exc}") from None
+        return out
+
+    def figures(self) -> dict[str, float]:
+        mx.synchronize()
+        return {
+            "kv_bytes": float(sum(c.nbytes for c in self.cache)),
+            "kv_entries_total": float(sum(c.size() for c in self.cache)),
+            "peak_memory_bytes": float(mx.get_peak_memory()),
+            "active_memory_bytes": float(mx.get_active_memory() - self.active_before),
+        }
+
+    def layer_sizes(self) -> list[tuple[int, int]]:
+        """(offset, size) per layer: tokens seen, and KV entries held."""
+        return [(int(c.offset), int(c.size())) for c in self.cache]
+
+    def close(self) -> None:
+        self.cache = []
