@@ -16,12 +16,14 @@ from typing import Any
 from pytest_kvguard.errors import KvguardError
 
 
-def _limit(metric: str, bound: str, unit: str, short: str, label: str, doc: str) -> Any:
+def _limit(
+    scenario: str, metric: str, bound: str, unit: str, short: str, label: str, doc: str
+) -> Any:
     return field(
         default=None,
         metadata={
-            "metric": metric, "bound": bound, "unit": unit, "short": short, "label": label,
-            "doc": doc,
+            "scenario": scenario, "metric": metric, "bound": bound, "unit": unit, "short": short,
+            "label": label, "doc": doc,
         },
     )  # fmt: skip
 
@@ -31,6 +33,7 @@ class Budgets:
     """Limits a check's result must stay within. Unset (None) limits are not checked."""
 
     max_ppl_increase_pct: float | None = _limit(
+        "stream",
         "ppl_increase_pct",
         "max",
         "%",
@@ -40,6 +43,7 @@ class Budgets:
         "this many percent.",
     )
     max_post_eviction_ppl: float | None = _limit(
+        "stream",
         "post_eviction_ppl",
         "max",
         "",
@@ -48,6 +52,7 @@ class Budgets:
         "Perplexity over the tokens fed after the first eviction may not exceed this.",
     )
     max_kv_entries: float | None = _limit(
+        "stream",
         "kv_entries",
         "max",
         " entries",
@@ -57,6 +62,7 @@ class Budgets:
     )
 
     max_mean_abs_nll_diff: float | None = _limit(
+        "parity",
         "mean_abs_nll_diff",
         "max",
         " nats",
@@ -65,6 +71,7 @@ class Budgets:
         "parity: mean over tokens of |NLL(engine A) - NLL(engine B)| on the same ids, in nats.",
     )
     max_ppl_diff_pct: float | None = _limit(
+        "parity",
         "ppl_diff_pct",
         "max",
         "%",
@@ -87,8 +94,9 @@ class Budgets:
                 raise KvguardError(f"budget {f.name} must be >= 0, got {value!r}")
 
     @classmethod
-    def names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
+    def names(cls, scenario: str | None = None) -> list[str]:
+        """Budget names, or those that apply to one scenario."""
+        return [f.name for f in fields(cls) if scenario in (None, f.metadata["scenario"])]
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any]) -> Budgets:

@@ -319,6 +319,17 @@ def _parse_check(entry: _Located, defaults: _Located, path: Path) -> Check:
             raise exc.located(path, params.key_lines.get("tokens", line_of("policy"))) from None
 
     budgets_raw = _merged(defaults, entry, "budgets", path)
+    own_budgets = entry.get("budgets") or {}
+    for key in list(budgets_raw):
+        if key in Budgets.names() and key not in Budgets.names(scenario):
+            if key in own_budgets:
+                raise KvguardError(
+                    f"budget {key} does not apply to a {scenario} check",
+                    path=path,
+                    line=budgets_raw.key_lines[key],
+                    fix="use one of " + ", ".join(Budgets.names(scenario)),
+                )
+            del budgets_raw[key]  # a default meant for checks of another scenario
     try:
         budgets = Budgets.from_mapping(budgets_raw)
     except KvguardError as exc:

@@ -5,6 +5,7 @@ Only wiring lives here; the logic is in plain modules that do not import pytest.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from collections.abc import Generator, Iterator
 from pathlib import Path
@@ -21,6 +22,7 @@ from pytest_kvguard.engines import (
     engine_info,
     installed_version,
 )
+from pytest_kvguard.engines.blas import preload_openblas
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.models import parse_model
 from pytest_kvguard.policies import make_policy
@@ -73,6 +75,8 @@ def pytest_configure(config: pytest.Config) -> None:
         " budgets the test's kvguard scenario results must stay within.",
     )
     config.pluginmanager.register(KvguardReporter(config), "kvguard-reporter")
+    if importlib.util.find_spec("mlx") is not None:
+        preload_openblas()  # before any test module can import mlx; cheap, imports no engine
     budgets_path = _option_path(config, "kvguard", "kvguard_budgets")
     if budgets_path is None:
         return
@@ -135,6 +139,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
             + ", ".join(f"{e} {installed_version(e) or 'not installed'}" for e in engines)
         )
         lines.extend(f"kvguard model: {name} = {path}" for name, path in models.items())
+        if "mlx" in engines:
+            lines.append(f"kvguard mlx BLAS: {preload_openblas()}")
     else:
         versions = [f"{e} {installed_version(e)}" for e in ENGINES if installed_version(e)]
         lines.append("kvguard engines: " + (", ".join(versions) or "none installed"))

@@ -17,7 +17,7 @@ def test_readme_has_exactly_two_setup_commands_and_ci_runs_the_second() -> None:
     commands = re.findall(r"```sh\n(.+?)\n```", README, flags=re.S)
     assert len(commands) == 2
     gate, tests = commands
-    assert "--kvguard fixtures/budgets.yaml" in gate and "pip install" in gate
+    assert "--kvguard fixtures/budgets.yaml" in gate and gate.startswith("bash .ci/install ")
     assert tests in (ROOT / ".ci" / "run").read_text().splitlines()
 
 

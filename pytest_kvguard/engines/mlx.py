@@ -5,36 +5,14 @@ keep=0)``; swa = the model's own ``make_cache()``; engine_default =
 ``make_prompt_cache(model, max_kv_size=cap)`` exactly as mlx-lm users call it. mlx-lm stores keys
 already rotated at their absolute position, so positions are always ``absolute``.
 
-On Linux the mlx CPU wheel links a reference BLAS; when Debian's OpenBLAS is installed it is
-loaded globally *before* mlx, so mlx's BLAS calls resolve to it (~18x faster fp32 matmul).
+On Linux, OpenBLAS is preloaded before mlx where installed (see ``blas.py``).
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import os
-import sys
+from pytest_kvguard.engines.blas import preload_openblas
 
-
-def _preload_openblas() -> str:
-    """Route mlx's BLAS calls to OpenBLAS where available; returns which path is in use."""
-    if sys.platform != "linux":
-        return "platform default (Accelerate / Metal)"
-    if "mlx.core" in sys.modules:
-        return (
-            "mlx's bundled reference BLAS (mlx was imported before kvguard could preload OpenBLAS)"
-        )
-    if os.environ.get("KVGUARD_MLX_BLAS") == "bundled":
-        return "mlx's bundled reference BLAS (KVGUARD_MLX_BLAS=bundled)"
-    library = ctypes.util.find_library("openblas")
-    if library is None:
-        return "mlx's bundled reference BLAS (slow: apt install libopenblas0-pthread)"
-    ctypes.CDLL(library, mode=ctypes.RTLD_GLOBAL)
-    return f"OpenBLAS ({library}), preloaded"
-
-
-BLAS_PATH = _preload_openblas()
+BLAS_PATH = preload_openblas()
 
 # The engine is imported only after the BLAS choice above.
 import importlib.metadata  # noqa: E402

@@ -1,0 +1,48 @@
+"""The bundled budgets file on the real engines and real bundled models: the proof the gate works.
+
+Every check in fixtures/budgets.yaml runs here (about six minutes on 2 CPU cores); the runs are
+shared with the other engine tests through the plugin's session runner.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pytest_kvguard.budgets_file import Check, load_budgets_file
+from pytest_kvguard.runner import Runner, run_check
+
+pytestmark = pytest.mark.engine
+BUNDLED = load_budgets_file(Path(__file__).parent.parent / "fixtures" / "budgets.yaml")
+
+
+def test_the_bundled_file_shows_the_cliff_on_both_engines() -> None:
+    """What the gate is for: on each engine a sink policy passes and a pure window is caught."""
+    for engine in ("llama_cpp", "mlx"):
+        stream = [c for c in BUNDLED.checks if c.engine == engine and c.scenario == "stream"]
+        assert any(c.policy.kind == "sink" and not c.expect_violation for c in stream)
+        assert any(c.policy.kind == "window" and c.expect_violation for c in stream)
+        assert all(c.tokens >= 1500 for c in stream if c.model.name == "smollm2-135m")
+
+
+@pytest.mark.parametrize("check", BUNDLED.checks, ids=lambda c: c.name)
+def test_bundled_check(kvguard_runner: Runner, check: Check) -> None:
+    outcome = run_check(kvguard_runner, check)
+    assert outcome.verdict == ("CAUGHT" if check.expect_violation else "PASS"), outcome.violations
+    m = outcome.metrics
+    if check.scenario == "parity":
+        # Both engines scored every one of the same token ids.
+        assert outcome.tokens == check.tokens and m["mean_abs_nll_diff"] > 0
+        return
+    cap = check.policy.cap
+    assert cap is not None
+    if check.policy.kind in ("sink", "window"):
+        assert m["first_eviction"] == cap  # token `cap` is the first that does not fit
+        assert m["kv_entries"] == cap
+        assert m["evicted"] == check.tokens - cap
+        # Before the first eviction every policy holds the same tokens: only batching differs.
+        assert m["pre_eviction_ppl"] == pytest.approx(m["baseline_pre_eviction_ppl"], rel=2e-3)
+    elif check.policy.kind == "engine_default":
+        # The finding: the cap was asked for and not applied (some layers keep every token).
+        assert m["kv_entries"] == check.tokens > cap

@@ -1,0 +1,72 @@
+"""Real mlx-lm (CPU on Linux) on the bundled models: its own caches, exact cache bytes, parity."""
+
+from __future__ import annotations
+
+import ctypes.util
+import sys
+
+import numpy as np
+import pytest
+
+from pytest_kvguard.models import ModelRef
+from pytest_kvguard.policies import make_policy
+from pytest_kvguard.runner import Runner
+from pytest_kvguard.scenarios.stream import run_stream
+from pytest_kvguard.texts import pydoc_topics
+
+pytestmark = pytest.mark.engine
+SMOLLM2 = ModelRef("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def short_ids(kvguard_runner: Runner) -> list[int]:
+    return kvguard_runner.token_ids("mlx", SMOLLM2, pydoc_topics(), 200)
+
+
+def test_policies_are_mlx_lms_own_caches(kvguard_runner: Runner) -> None:
+    from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+
+    from pytest_kvguard.engines.mlx import make_caches
+
+    engine, _ = kvguard_runner.engine("mlx", SMOLLM2)
+    model = engine.model  # type: ignore[attr-defined]
+    sink = make_caches(model, make_policy("sink", cap=256, sinks=4, positions="absolute"))
+    assert all(type(c) is RotatingKVCache and (c.keep, c.max_size) == (4, 256) for c in sink)
+    window = make_caches(model, make_policy("window", cap=256, positions="absolute"))
+    assert all(type(c) is RotatingKVCache and c.keep == 0 for c in window)
+    assert all(type(c) is KVCache for c in make_caches(model, make_policy("full")))
+    # engine_default is whatever mlx-lm hands a user who asks for a cap; on llama it is make_cache.
+    default = make_caches(model, make_policy("engine_default", cap=256, positions="absolute"))
+    asked = make_prompt_cache(model, max_kv_size=256)
+    assert [type(c) for c in default] == [type(c) for c in asked]
+
+
+def test_cache_bytes_match_the_formula(kvguard_runner: Runner, short_ids: list[int]) -> None:
+    engine, path = kvguard_runner.engine("mlx", SMOLLM2)
+    run = run_stream(engine, make_policy("sink", cap=64, sinks=4, positions="absolute"), short_ids)
+    # 30 layers x K,V x 3 KV heads x head dim 64 x 4 bytes (float32 weights give a float32 cache).
+    assert run.engine_figures["kv_bytes"] == 30 * 2 * 3 * 64 * 4 * 64
+    assert run.layer_sizes == [(200, 64)] * 30
+    assert run.first_eviction == 64 and run.evicted == 136
+
+
+def test_same_run_twice_is_bitwise_identical(kvguard_runner: Runner, short_ids: list[int]) -> None:
+    engine, _ = kvguard_runner.engine("mlx", SMOLLM2)
+    policy = make_policy("window", cap=64, positions="absolute")
+    first, second = run_stream(engine, policy, short_ids), run_stream(engine, policy, short_ids)
+    assert np.array_equal(first.nll, second.nll)
+
+
+def test_the_report_says_which_blas_path_ran(kvguard_runner: Runner) -> None:
+    engine, _ = kvguard_runner.engine("mlx", SMOLLM2)
+    blas = engine.describe()["blas"]
+    if sys.platform == "linux" and ctypes.util.find_library("openblas"):
+        assert blas.startswith("OpenBLAS")
+    else:
+        assert "OpenBLAS" not in blas
+
+
+@pytest.mark.kv_budget(max_mean_abs_nll_diff=0.1, max_ppl_diff_pct=2)
+def test_parity_marker(kvguard) -> None:  # type: ignore[no-untyped-def]
+    outcome = kvguard.parity(engines=("llama_cpp", "mlx"), tokens=1500)
+    assert outcome.metrics["reference_ppl"] == pytest.approx(outcome.base_ppl)
