@@ -144,6 +144,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     else:
         versions = [f"{e} {installed_version(e)}" for e in ENGINES if installed_version(e)]
         lines.append("kvguard engines: " + (", ".join(versions) or "none installed"))
+        if installed_version("mlx"):
+            lines.append(f"kvguard mlx BLAS: {preload_openblas()}")
     return lines
 
 
@@ -245,15 +247,10 @@ class KvguardFixture:
             for kind in (candidate, base):
                 check_policy(engine, kind)
             outcome, _ = _runner(node.config).stream_check(
-                name=node.name,
                 engine=engine,
-                model=parse_model(model, node.path.parent),
                 policy=candidate,
                 baseline=base,
-                tokens=tokens,
-                text=text,
-                budgets=self.budgets,
-                text_base=node.path.parent,
+                **self._common(model, tokens, text),
             )
         except KvguardError as exc:
             pytest.fail(str(exc), pytrace=False)
@@ -272,18 +269,24 @@ class KvguardFixture:
         node = self._request.node
         try:
             outcome, _ = _runner(node.config).parity_check(
-                name=node.name,
-                engines=engines,
-                model=parse_model(model, node.path.parent),
-                tokens=tokens,
-                text=text,
-                budgets=self.budgets,
-                text_base=node.path.parent,
+                engines=engines, **self._common(model, tokens, text)
             )
         except KvguardError as exc:
             pytest.fail(str(exc), pytrace=False)
         _record(node, outcome)
         return outcome
+
+    def _common(self, model: str, tokens: int, text: str) -> dict[str, Any]:
+        """Arguments every scenario shares; relative paths start at the test's folder."""
+        node = self._request.node
+        return {
+            "name": node.name,
+            "model": parse_model(model, node.path.parent),
+            "tokens": tokens,
+            "text": text,
+            "budgets": self.budgets,
+            "text_base": node.path.parent,
+        }
 
 
 @pytest.fixture(scope="session")

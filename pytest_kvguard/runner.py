@@ -147,15 +147,32 @@ class Runner:
         self._runs[key] = run
         return run, True
 
-    def _model_facts(self, engine: str, model: ModelRef) -> dict[str, Any]:
-        loaded, path = self.engine(engine, model)
+    def _judge(
+        self,
+        *,
+        model_engine: str,
+        model: ModelRef,
+        text: Text,
+        metrics: dict[str, float],
+        budgets: Budgets,
+        **fields: Any,
+    ) -> CheckOutcome:
+        """The outcome: the scenario's own fields plus what every check reports and is judged on."""
+        _, path = self.engine(model_engine, model)
         is_gguf = path.is_file()
-        return {
-            "model": model.name,
-            "model_path": str(path),
-            "model_sha256": file_sha256(path) if is_gguf else "",
-            "kv_bytes_per_token": read_arch(path).kv_bytes_per_token() if is_gguf else None,
-        }
+        return CheckOutcome(
+            model=model.name,
+            model_path=str(path),
+            model_sha256=file_sha256(path) if is_gguf else "",
+            kv_bytes_per_token=read_arch(path).kv_bytes_per_token() if is_gguf else None,
+            text=text.name,
+            text_sha256=text.sha256,
+            metrics=metrics,
+            budgets=budgets.declared(),
+            budget_text=budgets.describe(),
+            violations=[v.message for v in budgets.check(metrics)],
+            **fields,
+        )
 
     def stream_check(
         self,
@@ -179,26 +196,24 @@ class Runner:
         result = compare(cand_run, base_run)
         metrics = result.metrics
         loaded, _ = self.engine(engine, model)
-        outcome = CheckOutcome(
+        outcome = self._judge(
             name=name,
             scenario="stream",
+            model_engine=engine,
+            model=model,
+            text=loaded_text,
+            tokens=tokens,
+            metrics=metrics,
+            budgets=budgets,
+            expect_violation=expect_violation,
+            reason=reason,
             engine=engine,
             engine_version=loaded.version(),
-            **self._model_facts(engine, model),
             policy=policy.describe(),
             baseline=baseline.describe(),
-            tokens=tokens,
-            text=loaded_text.name,
-            text_sha256=loaded_text.sha256,
             base_ppl=metrics["baseline_post_eviction_ppl"],
             ppl=metrics["post_eviction_ppl"],
             delta_pct=metrics["ppl_increase_pct"],
-            metrics=metrics,
-            budgets=budgets.declared(),
-            budget_text=budgets.describe(),
-            violations=[v.message for v in budgets.check(metrics)],
-            expect_violation=expect_violation,
-            reason=reason,
             seconds={
                 "candidate": cand_run.seconds if cand_new else 0.0,
                 "baseline": base_run.seconds if base_new else 0.0,
@@ -232,34 +247,34 @@ class Runner:
         metrics = result.metrics
         ref, _ = self.engine(ref_name, model)
         other, _ = self.engine(other_name, model)
-        outcome = CheckOutcome(
+        outcome = self._judge(
             name=name,
             scenario="parity",
+            model_engine=ref_name,
+            model=model,
+            text=loaded_text,
+            tokens=tokens,
+            metrics=metrics,
+            budgets=budgets,
+            expect_violation=expect_violation,
+            reason=reason,
             engine=f"{ref_name} vs {other_name}",
             engine_version=f"{ref.version()} / {other.version()}",
-            **self._model_facts(ref_name, model),
             policy=f"full ({other_name})",
             baseline=f"full ({ref_name})",
-            tokens=tokens,
-            text=loaded_text.name,
-            text_sha256=loaded_text.sha256,
             base_ppl=metrics["reference_ppl"],
             ppl=metrics["other_ppl"],
             delta_pct=metrics["ppl_ratio_pct"],
-            metrics=metrics,
-            budgets=budgets.declared(),
-            budget_text=budgets.describe(),
-            violations=[v.message for v in budgets.check(metrics)],
-            expect_violation=expect_violation,
-            reason=reason,
             seconds={
                 ref_name: ref_run.seconds if ref_new else 0.0,
                 other_name: other_run.seconds if other_new else 0.0,
             },
             tokens_per_second=other_run.tokens_per_second,
-            engine_info={**{f"{ref_name}.{k}": v for k, v in ref.describe().items()},
-                         **{f"{other_name}.{k}": v for k, v in other.describe().items()}},
-        )  # fmt: skip
+            engine_info={
+                **{f"{ref_name}.{k}": v for k, v in ref.describe().items()},
+                **{f"{other_name}.{k}": v for k, v in other.describe().items()},
+            },
+        )
         return outcome, result
 
     def close(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import resource
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
@@ -239,8 +240,14 @@ class LlamaCppStream:
         return logits.copy()
 
     def figures(self) -> dict[str, float]:
-        # The sequence's serialized state: K and V of every cell held, plus a small header.
-        return {"kv_state_bytes": float(lc.llama_state_seq_get_size(self.ctx, SEQ))}
+        return {
+            # The sequence's serialized state: K and V of every cell held, plus a small header.
+            "kv_state_bytes": float(lc.llama_state_seq_get_size(self.ctx, SEQ)),
+            # Process-wide and cumulative: the largest resident set so far in this session.
+            "process_peak_rss_bytes": float(
+                resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            ),
+        }
 
     def layer_sizes(self) -> list[tuple[int, int]]:
         return []  # llama.cpp holds the same cells in every layer of a non-SWA cache
