@@ -79,11 +79,50 @@ class Budgets:
         "perplexity difference between engines",
         "parity: |ppl(B) / ppl(A) - 1| in percent.",
     )
+    max_reprefill_tokens: float | None = _limit(
+        "edit_replay",
+        "reprefill_tokens",
+        "max",
+        " tokens",
+        "re-prefill",
+        "prompt tokens re-prefilled",
+        "edit_replay: follow-up prompt tokens decoded again (llama-server's prompt_n).",
+    )
+    max_reprefill_fraction: float | None = _limit(
+        "edit_replay",
+        "reprefill_fraction",
+        "max",
+        "",
+        "re-prefill share",
+        "share of the follow-up prompt re-prefilled",
+        "edit_replay: re-prefilled tokens / follow-up prompt tokens (0 to 1).",
+    )
+    min_reused_tokens: float | None = _limit(
+        "edit_replay",
+        "reused_tokens",
+        "min",
+        " tokens",
+        "reused",
+        "cached tokens reused",
+        "edit_replay: tokens served from the cache (llama-server's cache_n).",
+    )
+    max_memory_bytes: float | str | None = _limit(
+        "edit_replay",
+        "memory_bytes",
+        "max",
+        " B",
+        "mem",
+        "cache plus checkpoint memory",
+        "edit_replay: cache state plus checkpoints after the first prompt; bytes or '24 MiB'.",
+    )
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
             if value is None:
+                continue
+            if isinstance(value, str) and f.metadata["unit"] == " B":
+                object.__setattr__(self, f.name, parse_size(value, f.name))
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise KvguardError(
@@ -137,8 +176,8 @@ class Budgets:
             limit = getattr(self, f.name)
             if limit is not None:
                 op = "<=" if f.metadata["bound"] == "max" else ">="
-                unit = f.metadata["unit"] if f.metadata["unit"] == "%" else ""
-                parts.append(f"{f.metadata['short']}{op}{_fmt(limit)}{unit}")
+                unit = f.metadata["unit"] if f.metadata["unit"] in ("%", " B") else ""
+                parts.append(f"{f.metadata['short']}{op}{_fmt(limit, unit)}")
         return ", ".join(parts) or "-"
 
 
@@ -159,13 +198,39 @@ class Violation:
     @property
     def message(self) -> str:
         return (
-            f"{self.budget}: {self.label} budget {_fmt(self.limit)}{self.unit}, "
-            f"measured {_fmt(self.measured)}{self.unit}"
+            f"{self.budget}: {self.label} budget {_fmt(self.limit, self.unit)}, "
+            f"measured {_fmt(self.measured, self.unit)}"
         )
 
 
-def _fmt(value: float) -> str:
-    return f"{value:,.0f}" if float(value).is_integer() else f"{value:,.2f}"
+def _fmt(value: float, unit: str = "") -> str:
+    if unit == " B":
+        return f"{value / 2**20:,.1f} MiB"
+    text = f"{value:,.0f}" if float(value).is_integer() else f"{value:,.2f}"
+    return text + unit
+
+
+SIZE_UNITS = {
+    "B": 1,
+    "KiB": 2**10,
+    "MiB": 2**20,
+    "GiB": 2**30,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+}
+
+
+def parse_size(text: str, name: str) -> float:
+    """``"24 MiB"`` -> 25165824.0; binary (KiB, MiB, GiB) and decimal (KB, MB, GB) units."""
+    number, _, unit = text.strip().partition(" ")
+    try:
+        return float(number) * SIZE_UNITS[unit.strip() or "B"]
+    except (ValueError, KeyError):
+        raise KvguardError(
+            f"budget {name} must be a size, got {text!r}",
+            fix=f"write e.g. {name}: 24 MiB (units: {', '.join(SIZE_UNITS)})",
+        ) from None
 
 
 def unknown_key_error(kind: str, name: str, known: list[str]) -> KvguardError:

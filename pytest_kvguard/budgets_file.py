@@ -33,7 +33,13 @@ from pytest_kvguard.budgets import Budgets, unknown_key_error
 from pytest_kvguard.engines import ENGINES, check_policy, require_installed
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.models import ModelRef, parse_model
-from pytest_kvguard.policies import Policy, make_policy
+from pytest_kvguard.policies import DEFAULT_CHECKPOINT_STEP, Policy, make_policy
+from pytest_kvguard.scenarios.edit_replay import (
+    DEFAULT_CHAT,
+    FOLLOWUPS,
+    followup,
+    load_conversation,
+)
 from pytest_kvguard.scenarios.stream import check_reaches_eviction
 from pytest_kvguard.texts import DEFAULT_TEXT
 
@@ -41,6 +47,7 @@ SCHEMA_VERSION = 1
 SCENARIOS = {
     "stream": "feed a long text far past the cache's capacity, score every next token",
     "parity": "full cache on two engines, same token ids: per-token NLL must agree",
+    "edit_replay": "a cached chat gets a follow-up: count reused and re-prefilled prompt tokens",
 }
 CHECK_KEYS = [
     "name", "scenario", "engine", "engines", "model", "policy", "baseline", "params", "budgets",
@@ -55,6 +62,18 @@ STREAM_PARAMS = {
     "engine's own (llama_cpp reindexed, mlx absolute)",
     "evict_step": "tokens dropped per eviction (default 1)",
     "text": f"'{DEFAULT_TEXT}' (CPython's pydoc topics) or a UTF-8 file (default {DEFAULT_TEXT})",
+}
+REPLAY_PARAMS = {
+    "chat": f"'{DEFAULT_CHAT}' (the bundled 4k-token chat) or a JSON chat file (default)",
+    "followup": "edit, regenerate, append or trim_reasoning",
+    "message": "edit: index of the edited message (negative counts from the end)",
+    "checkpoints": "swa: keep at most this many sliding-layer checkpoints (default 0: none)",
+    "checkpoint_step": f"swa: tokens between checkpoints (default {DEFAULT_CHECKPOINT_STEP})",
+}
+SCENARIO_PARAMS: dict[str, dict[str, str]] = {
+    "stream": STREAM_PARAMS,
+    "parity": {key: STREAM_PARAMS[key] for key in ("tokens", "text")},
+    "edit_replay": REPLAY_PARAMS,
 }
 EXPECTATIONS = ("pass", "violation")
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -83,6 +102,15 @@ _LineLoader.add_constructor(
 
 
 @dataclass(frozen=True)
+class ReplaySpec:
+    """The conversation an edit_replay check caches and the follow-up it sends."""
+
+    chat: str
+    followup: str
+    message: int | None
+
+
+@dataclass(frozen=True)
 class Check:
     """One declared check: a scenario on an engine and model, under a policy, with budgets."""
 
@@ -102,6 +130,8 @@ class Check:
     line: int
     other_engine: str | None = None
     """Parity only: the engine compared against ``engine``."""
+    replay: ReplaySpec | None = None
+    """edit_replay only: the chat and its follow-up."""
 
     @property
     def location(self) -> str:
@@ -193,8 +223,11 @@ def _reject_unknown(mapping: _Located, known: list[str], kind: str, path: Path) 
 
 
 def _is_budget_value(name: Any, value: Any) -> bool:
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    return name in Budgets.names() and number and value >= 0
+    try:
+        Budgets.from_mapping({name: value})
+    except KvguardError:
+        return False
+    return True
 
 
 def _type_error(key: str, wanted: str, value: Any, path: Path, line: int) -> KvguardError:
@@ -263,11 +296,16 @@ def _parse_check(entry: _Located, defaults: _Located, path: Path) -> Check:
         raise exc.located(path, line_of("model")) from None
 
     params = _merged(defaults, entry, "params", path)
-    for key in params:
-        if key not in STREAM_PARAMS:
-            raise unknown_key_error("stream parameter", str(key), list(STREAM_PARAMS)).located(
+    known = SCENARIO_PARAMS[scenario]
+    own_params = entry.get("params") or {}
+    for key in list(params):
+        if key in known:
+            continue
+        if key in own_params or not any(key in p for p in SCENARIO_PARAMS.values()):
+            raise unknown_key_error(f"{scenario} parameter", str(key), list(known)).located(
                 path, params.key_lines[key]
             )
+        del params[key]  # a default meant for checks of another scenario
 
     def int_param(key: str, default: int | None) -> int | None:
         value = params.get(key, default)
@@ -281,7 +319,7 @@ def _parse_check(entry: _Located, defaults: _Located, path: Path) -> Check:
             raise _type_error(f"params.{key}", "a string", value, path, params.key_lines[key])
         return value
 
-    tokens = int_param("tokens", 1500)
+    tokens = int_param("tokens", 1500) if "tokens" in known else 0
     assert tokens is not None
 
     def policy_for(key: str, default: str | None) -> Policy:
@@ -293,9 +331,11 @@ def _parse_check(entry: _Located, defaults: _Located, path: Path) -> Check:
                 sinks=int_param("sinks", None),
                 positions=str_param("positions", ENGINES[engine].position_modes[0]),
                 evict_step=int_param("evict_step", 1) or 1,
+                checkpoints=int_param("checkpoints", 0) or 0,
+                checkpoint_step=int_param("checkpoint_step", None) or DEFAULT_CHECKPOINT_STEP,
             )
             for engine_name, _ in engines:
-                check_policy(engine_name, policy)
+                check_policy(engine_name, policy, "stream" if scenario == "parity" else scenario)
             return policy
         except KvguardError as exc:
             raise exc.located(path, line_of(key)) from None
@@ -310,7 +350,31 @@ def _parse_check(entry: _Located, defaults: _Located, path: Path) -> Check:
                     fix=f"remove '{key}'",
                 )
         policy = baseline = policy_for("policy", "full")
+        replay = None
+    elif scenario == "edit_replay":
+        policy = baseline = policy_for("policy", None)
+        followup_kind = str_param("followup", "")
+        if followup_kind not in FOLLOWUPS:
+            raise unknown_key_error("follow-up", followup_kind, list(FOLLOWUPS)).located(
+                path, params.key_lines.get("followup", entry.line)
+            )
+        message = int_param("message", None)
+        if (followup_kind == "edit") != (message is not None):
+            raise KvguardError(
+                "params.message goes with followup: edit, and only with it",
+                path=path,
+                line=params.key_lines.get("message", params.key_lines["followup"]),
+                fix="give the index of the edited message with edit; drop it otherwise",
+            )
+        chat = str_param("chat", DEFAULT_CHAT)
+        try:
+            # Parse the chat now: a bad file or index fails before any engine loads.
+            followup(load_conversation(chat, path.parent), followup_kind, message)
+        except KvguardError as exc:
+            raise exc.located(path, params.key_lines.get("chat", line_of("policy"))) from None
+        replay = ReplaySpec(chat, followup_kind, message)
     else:
+        replay = None
         policy = policy_for("policy", None)
         baseline = policy_for("baseline", "full")
         try:
@@ -383,6 +447,7 @@ def _parse_check(entry: _Located, defaults: _Located, path: Path) -> Check:
         path=path,
         line=entry.line,
         other_engine=engines[1][0] if scenario == "parity" else None,
+        replay=replay,
     )
 
 

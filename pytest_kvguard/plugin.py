@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from pytest_kvguard.budgets import Budgets
-from pytest_kvguard.budgets_file import BudgetsFile, Check, load_budgets_file
+from pytest_kvguard.budgets_file import BudgetsFile, Check, ReplaySpec, load_budgets_file
 from pytest_kvguard.engines import (
     ENGINES,
     EngineOptions,
@@ -25,9 +25,10 @@ from pytest_kvguard.engines import (
 from pytest_kvguard.engines.blas import preload_openblas
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.models import parse_model
-from pytest_kvguard.policies import make_policy
+from pytest_kvguard.policies import DEFAULT_CHECKPOINT_STEP, make_policy
 from pytest_kvguard.report import build_report, error_row, render_table, write_json
 from pytest_kvguard.runner import CheckOutcome, Runner, run_check
+from pytest_kvguard.scenarios.edit_replay import DEFAULT_CHAT
 from pytest_kvguard.texts import DEFAULT_TEXT
 
 BUDGETS_KEY = pytest.StashKey[BudgetsFile]()
@@ -270,6 +271,36 @@ class KvguardFixture:
         try:
             outcome, _ = _runner(node.config).parity_check(
                 engines=engines, **self._common(model, tokens, text)
+            )
+        except KvguardError as exc:
+            pytest.fail(str(exc), pytrace=False)
+        _record(node, outcome)
+        return outcome
+
+    def edit_replay(
+        self,
+        *,
+        policy: str = "swa",
+        followup: str = "edit",
+        message: int | None = None,
+        chat: str = DEFAULT_CHAT,
+        checkpoints: int = 0,
+        checkpoint_step: int = DEFAULT_CHECKPOINT_STEP,
+        engine: str = "llama_cpp",
+        model: str = "gemma3-270m",
+    ) -> CheckOutcome:
+        """Run the ``edit_replay`` scenario: cache the chat, send the follow-up, count tokens."""
+        node = self._request.node
+        try:
+            kind = make_policy(policy, checkpoints=checkpoints, checkpoint_step=checkpoint_step)
+            check_policy(engine, kind, "edit_replay")
+            common = self._common(model, 0, chat)
+            del common["tokens"], common["text"]
+            outcome, _ = _runner(node.config).replay_check(
+                engine=engine,
+                policy=kind,
+                replay=ReplaySpec(chat, followup, message),
+                **common,
             )
         except KvguardError as exc:
             pytest.fail(str(exc), pytrace=False)

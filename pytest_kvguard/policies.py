@@ -10,11 +10,14 @@ POLICY_KINDS = {
     "full": "keep every token (the reference)",
     "window": "keep the `cap` most recent tokens, nothing pinned",
     "sink": "pin the first `sinks` tokens, rotate the rest; `cap` counts the sinks",
-    "swa": "the model's own sliding-window cache (mlx-lm make_cache())",
+    "swa": "the model's own sliding-window cache (llama.cpp iSWA default; mlx-lm make_cache())",
+    "swa_full": "sliding layers keep full history too (llama.cpp swa_full)",
     "engine_default": "whatever the engine does when a user asks for `cap` "
     "(mlx-lm make_prompt_cache(model, max_kv_size=cap))",
 }
-CAPPED_KINDS = ("window", "sink", "engine_default")
+UNCAPPED_KINDS = ("full", "swa", "swa_full")
+"""The model, not a cap, decides what these keep."""
+DEFAULT_CHECKPOINT_STEP = 512
 
 POSITION_MODES = {
     "reindexed": "survivors shift down after eviction (llama.cpp context shift, StreamingLLM)",
@@ -38,6 +41,10 @@ class Policy:
     """One of POSITION_MODES."""
     evict_step: int = 1
     """Tokens dropped per eviction; 1 matches mlx-lm and StreamingLLM."""
+    checkpoints: int = 0
+    """``swa`` only: at most this many copies of the sliding-layer state kept while prefilling."""
+    checkpoint_step: int = DEFAULT_CHECKPOINT_STEP
+    """Minimum tokens between two checkpoints."""
 
     @property
     def bounded(self) -> bool:
@@ -46,9 +53,11 @@ class Policy:
 
     def describe(self) -> str:
         """Short label for tables: ``sink4/256 reidx step1``."""
-        if self.kind == "full":
-            return "full"
+        if self.kind in ("full", "swa_full"):
+            return self.kind
         if self.kind == "swa":
+            if self.checkpoints:
+                return f"swa +ckpt {self.checkpoints}x/{self.checkpoint_step}"
             return "swa (model window)"
         label = f"sink{self.sinks}/{self.cap}" if self.kind == "sink" else f"{self.kind}/{self.cap}"
         pos = "reidx" if self.positions == "reindexed" else "abs"
@@ -62,10 +71,12 @@ def make_policy(
     sinks: int | None = None,
     positions: str = "reindexed",
     evict_step: int = 1,
+    checkpoints: int = 0,
+    checkpoint_step: int = DEFAULT_CHECKPOINT_STEP,
 ) -> Policy:
     """Build a policy, refusing combinations that would not mean what they say.
 
-    ``full`` and ``swa`` take no cap (the model decides what a full or sliding layer keeps).
+    ``full``, ``swa`` and ``swa_full`` take no cap (the model decides what each layer keeps).
     """
     if kind not in POLICY_KINDS:
         raise KvguardError(f"unknown policy '{kind}'", fix="use one of " + ", ".join(POLICY_KINDS))
@@ -74,11 +85,20 @@ def make_policy(
             f"unknown position handling '{positions}'",
             fix="use one of " + ", ".join(POSITION_MODES),
         )
-    if kind == "full":
-        # A full cache never evicts, so cap/sinks/positions do not apply to it.
-        return Policy("full")
+    if checkpoints and kind != "swa":
+        raise KvguardError(
+            f"checkpoints apply to policy 'swa', not '{kind}'",
+            fix="use policy: swa, or remove checkpoints",
+        )
+    if checkpoints < 0 or checkpoint_step < 1:
+        raise KvguardError("checkpoints must be >= 0 and checkpoint_step >= 1")
+    if kind in ("full", "swa_full"):
+        # Nothing is evicted, so cap/sinks/positions do not apply.
+        return Policy(kind)
     if kind == "swa":
-        return Policy("swa", positions=positions)
+        return Policy(
+            "swa", positions=positions, checkpoints=checkpoints, checkpoint_step=checkpoint_step
+        )
     if cap is None:
         raise KvguardError(f"policy '{kind}' needs a cap", fix="set params.cap, e.g. cap: 256")
     if sinks is None:

@@ -26,6 +26,36 @@ def error_row(name: str, message: str) -> dict[str, Any]:
     return {"name": name, "verdict": "ERROR", "error": message}
 
 
+REPLAY_HEADERS = [
+    "check", "engine", "model", "policy", "follow-up", "prompt", "split", "reused",
+    "re-prefilled", "memory", "replay s", "budget", "verdict",
+]  # fmt: skip
+
+
+def replay_rows(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
+    out = []
+    for row in rows:
+        m = row["metrics"]
+        out.append(
+            [
+                row["name"],
+                f"{row['engine']} {row['engine_version']}",
+                row["model"],
+                row["policy"],
+                row["baseline"],
+                str(row["tokens"]),
+                f"{m['split']:.0f}",
+                f"{m['reused_tokens']:.0f}",
+                f"{m['reprefill_tokens']:.0f}",
+                f"{m['memory_bytes'] / 2**20:.1f} MiB",
+                f"{row['seconds']['replay']:.1f}",
+                row["budget_text"],
+                row["verdict"],
+            ]
+        )
+    return out
+
+
 def table_rows(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
     out = []
     for row in rows:
@@ -51,8 +81,23 @@ def table_rows(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
 
 
 def render_table(rows: Sequence[dict[str, Any]], fmt: str = "simple") -> str:
-    """One table for the whole run; perplexities are over the post-eviction tokens."""
-    return tabulate(table_rows(rows), headers=TABLE_HEADERS, tablefmt=fmt, disable_numparse=True)
+    """Quality checks (stream, parity) in one table, edit-replay checks in a second."""
+    replays = [r for r in rows if r.get("scenario") == "edit_replay" and r["verdict"] != "ERROR"]
+    quality = [r for r in rows if r not in replays]
+    parts = []
+    if quality:
+        parts.append(
+            tabulate(
+                table_rows(quality), headers=TABLE_HEADERS, tablefmt=fmt, disable_numparse=True
+            )
+        )
+    if replays:
+        parts.append(
+            tabulate(
+                replay_rows(replays), headers=REPLAY_HEADERS, tablefmt=fmt, disable_numparse=True
+            )
+        )
+    return "\n\n".join(parts)
 
 
 def machine() -> dict[str, Any]:

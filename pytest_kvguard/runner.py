@@ -10,11 +10,18 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from pytest_kvguard.budgets import Budgets
-from pytest_kvguard.budgets_file import Check
+from pytest_kvguard.budgets_file import Check, ReplaySpec
 from pytest_kvguard.engines import Engine, EngineOptions, load_engine
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.models import ModelRef, file_sha256, read_arch
 from pytest_kvguard.policies import Policy, make_policy
+from pytest_kvguard.scenarios.edit_replay import (
+    ReplayRun,
+    followup,
+    history,
+    load_conversation,
+    run_edit_replay,
+)
 from pytest_kvguard.scenarios.parity import ParityResult, compare_parity
 from pytest_kvguard.scenarios.stream import StreamResult, StreamRun, compare, run_stream
 from pytest_kvguard.texts import Text, load_text
@@ -54,10 +61,10 @@ class CheckOutcome:
     tokens: int
     text: str
     text_sha256: str
-    base_ppl: float
+    base_ppl: float | None
     """What the table shows as the baseline's perplexity (post-eviction for stream)."""
-    ppl: float
-    delta_pct: float
+    ppl: float | None
+    delta_pct: float | None
     metrics: dict[str, float]
     budgets: dict[str, float]
     budget_text: str
@@ -277,6 +284,60 @@ class Runner:
         )
         return outcome, result
 
+    def replay_check(
+        self,
+        *,
+        name: str,
+        engine: str,
+        model: ModelRef,
+        policy: Policy,
+        replay: ReplaySpec,
+        budgets: Budgets,
+        expect_violation: bool = False,
+        reason: str | None = None,
+        text_base: Path | None = None,
+    ) -> tuple[CheckOutcome, ReplayRun]:
+        """Cache the chat under the policy, send the follow-up, count reused and re-prefilled."""
+        loaded, _ = self.engine(engine, model)
+        conversation = load_conversation(replay.chat, text_base or Path.cwd())
+        first_text = loaded.render_chat(history(conversation))
+        second_text = loaded.render_chat(followup(conversation, replay.followup, replay.message))
+        first_ids, second_ids = loaded.tokenize(first_text), loaded.tokenize(second_text)
+        label = f"{engine} {model.name} {policy.describe()} {replay.followup}"
+        self.say(f"{label}: prefilling {len(first_ids)} tokens, then the follow-up")
+        run = run_edit_replay(loaded, policy, first_ids, second_ids)
+        metrics = run.metrics
+        self.say(
+            f"{label}: reused {run.replay.reused}, re-prefilled {run.replay.reprefilled} "
+            f"in {run.replay.seconds:.1f} s"
+        )
+        what = replay.followup + (f" #{replay.message}" if replay.message is not None else "")
+        outcome = self._judge(
+            name=name,
+            scenario="edit_replay",
+            model_engine=engine,
+            model=model,
+            text=Text(replay.chat, first_text),
+            tokens=run.replay.prompt_tokens,
+            metrics=metrics,
+            budgets=budgets,
+            expect_violation=expect_violation,
+            reason=reason,
+            engine=engine,
+            engine_version=loaded.version(),
+            policy=policy.describe(),
+            baseline=what,
+            base_ppl=None,
+            ppl=None,
+            delta_pct=None,
+            seconds={"prefill": run.prefill_seconds, "replay": run.replay.seconds},
+            tokens_per_second=run.replay.reprefilled / run.replay.seconds
+            if run.replay.seconds
+            else 0.0,
+            engine_info=loaded.describe(),
+        )
+        return outcome, run
+
     def close(self) -> None:
         for engine in self._engines.values():
             engine.close()
@@ -299,6 +360,12 @@ def run_check(runner: Runner, check: Check) -> CheckOutcome:
     if check.scenario == "parity":
         assert check.other_engine is not None
         outcome, _ = runner.parity_check(engines=(check.engine, check.other_engine), **common)
+    elif check.scenario == "edit_replay":
+        assert check.replay is not None
+        del common["tokens"], common["text"]
+        outcome, _ = runner.replay_check(
+            engine=check.engine, policy=check.policy, replay=check.replay, **common
+        )
     else:
         outcome, _ = runner.stream_check(
             engine=check.engine, policy=check.policy, baseline=check.baseline, **common

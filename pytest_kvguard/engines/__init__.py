@@ -9,7 +9,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -18,6 +18,7 @@ import numpy as np
 
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.policies import Policy
+from pytest_kvguard.scenarios.replay_types import Replay
 
 
 class Stream(Protocol):
@@ -52,6 +53,22 @@ class Stream(Protocol):
     def close(self) -> None: ...
 
 
+class PrefixCache(Protocol):
+    """An engine's cache holding one prompt, able to serve an edited prompt (edit_replay)."""
+
+    def prefill(self, token_ids: Sequence[int]) -> None: ...
+
+    def replay(self, token_ids: Sequence[int]) -> Replay:
+        """Keep what the engine's memory operations allow of the cached prompt; decode the rest."""
+        ...
+
+    def memory_bytes(self) -> dict[str, float]:
+        """state_bytes (the cache), checkpoint_bytes, checkpoints (a count)."""
+        ...
+
+    def close(self) -> None: ...
+
+
 class Engine(Protocol):
     """A loaded model in a real inference engine."""
 
@@ -67,8 +84,16 @@ class Engine(Protocol):
         """Token ids as the engine feeds them, with BOS where the model wants one."""
         ...
 
+    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
+        """The prompt the model's own chat template renders for these messages."""
+        ...
+
     def open_stream(self, policy: Policy, max_tokens: int) -> Stream:
         """A fresh, empty sequence that will be fed at most ``max_tokens`` tokens."""
+        ...
+
+    def open_prefix_cache(self, policy: Policy, max_tokens: int) -> PrefixCache:
+        """A fresh cache for prompts of at most ``max_tokens`` tokens."""
         ...
 
     def close(self) -> None: ...
@@ -111,8 +136,10 @@ class EngineInfo:
     """The engine's own top-level module."""
     distribution: str
     install: str
-    policies: tuple[str, ...] = ("full", "window", "sink")
-    """Policy kinds the adapter implements."""
+    policies: Mapping[str, tuple[str, ...]] = field(
+        default_factory=lambda: {"stream": ("full", "window", "sink")}
+    )
+    """Policy kinds the adapter implements, per scenario."""
     position_modes: tuple[str, ...] = ("reindexed", "absolute")
     """Position handling it supports; the first is its own (the default)."""
     fixed_evict_step: int | None = None
@@ -129,6 +156,10 @@ ENGINES: dict[str, EngineInfo] = {
             "llama-cpp-python",
             'CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON '
             '-DGGML_F16C=ON" pip install "pytest-kvguard[llama]"',
+            policies={
+                "stream": ("full", "window", "sink"),
+                "edit_replay": ("full", "swa", "swa_full"),
+            },
         ),
         EngineInfo(
             "mlx",
@@ -136,7 +167,10 @@ ENGINES: dict[str, EngineInfo] = {
             "mlx_lm",
             "mlx-lm",
             'pip install "pytest-kvguard[mlx]"',
-            policies=("full", "window", "sink", "swa", "engine_default"),
+            policies={
+                "stream": ("full", "window", "sink", "swa", "engine_default"),
+                "edit_replay": ("full", "swa"),
+            },
             position_modes=("absolute",),
             fixed_evict_step=1,
         ),
@@ -153,13 +187,14 @@ def engine_info(name: str) -> EngineInfo:
         ) from None
 
 
-def check_policy(name: str, policy: Policy) -> None:
+def check_policy(name: str, policy: Policy, scenario: str = "stream") -> None:
     """Refuse a policy, position handling or eviction step the engine's adapter cannot run."""
     info = engine_info(name)
-    if policy.kind not in info.policies:
+    kinds = info.policies.get(scenario, ())
+    if policy.kind not in kinds:
         raise KvguardError(
-            f"engine '{name}' does not implement policy '{policy.kind}'",
-            fix="use one of " + ", ".join(info.policies),
+            f"engine '{name}' does not implement policy '{policy.kind}' for {scenario}",
+            fix="use one of " + ", ".join(kinds) if kinds else f"use another engine for {scenario}",
         )
     if policy.bounded and policy.positions not in info.position_modes:
         raise KvguardError(

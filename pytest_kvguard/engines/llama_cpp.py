@@ -10,8 +10,10 @@ from __future__ import annotations
 import ctypes
 import os
 import resource
+import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ import numpy as np
 from pytest_kvguard.engines import EngineOptions
 from pytest_kvguard.errors import EngineError
 from pytest_kvguard.policies import Policy
+from pytest_kvguard.scenarios.replay_types import Replay, common_prefix
 
 SEQ = 0
 """Every stream runs as sequence 0 of its own context."""
@@ -67,6 +70,41 @@ def _tokenize(vocab: Any, text: str) -> list[int]:
     return list(buffer[:n])
 
 
+def _render_chat(model: Any, messages: Sequence[Mapping[str, str]]) -> str:
+    """The prompt llama.cpp's own chat-template code renders for these messages.
+
+    The template comes from the GGUF metadata; a model without one (the Gemma 3 base GGUF) gets
+    llama.cpp's built-in template for its architecture family.
+    """
+    template = lc.llama_model_chat_template(model, None)
+    if not template:
+        arch = ctypes.create_string_buffer(64)
+        lc.llama_model_meta_val_str(model, b"general.architecture", arch, 64)
+        family = arch.value.decode()
+        template = BUILTIN_TEMPLATES.get(family)
+        if template is None:
+            raise EngineError(
+                f"the model has no chat template, and kvguard knows no built-in one for '{family}'",
+                fix="use a model whose GGUF carries tokenizer.chat_template",
+            )
+    keep = [(m["role"].encode(), m["content"].encode()) for m in messages]
+    chat = (lc.llama_chat_message * len(keep))(*[lc.llama_chat_message(r, c) for r, c in keep])
+    size = 2 * sum(len(c) for _, c in keep) + 4096
+    for _ in range(2):
+        buffer = ctypes.create_string_buffer(size)
+        n = lc.llama_chat_apply_template(template, chat, len(keep), False, buffer, size)
+        if n < 0:
+            raise EngineError("llama.cpp could not apply the chat template")
+        if n <= size:
+            return buffer.raw[:n].decode("utf-8")
+        size = n
+    raise EngineError("chat template output did not fit")
+
+
+BUILTIN_TEMPLATES = {"gemma3": b"gemma", "gemma2": b"gemma", "gemma": b"gemma"}
+"""llama.cpp built-in template names, for GGUF files that carry no template."""
+
+
 class GgufVocab:
     """llama.cpp's tokenizer alone (vocab-only load): how other engines get identical ids."""
 
@@ -81,6 +119,9 @@ class GgufVocab:
 
     def tokenize(self, text: str) -> list[int]:
         return _tokenize(self.vocab, text)
+
+    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
+        return _render_chat(self.model, messages)
 
     def __del__(self) -> None:
         if getattr(self, "model", None):
@@ -122,8 +163,14 @@ class LlamaCppEngine:
     def tokenize(self, text: str) -> list[int]:
         return _tokenize(self.vocab, text)
 
+    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
+        return _render_chat(self.model, messages)
+
     def open_stream(self, policy: Policy, max_tokens: int) -> LlamaCppStream:
         return LlamaCppStream(self, policy, max_tokens)
+
+    def open_prefix_cache(self, policy: Policy, max_tokens: int) -> LlamaCppPrefixCache:
+        return LlamaCppPrefixCache(self, policy, max_tokens)
 
     def close(self) -> None:
         if self.model:
@@ -251,6 +298,154 @@ class LlamaCppStream:
 
     def layer_sizes(self) -> list[tuple[int, int]]:
         return []  # llama.cpp holds the same cells in every layer of a non-SWA cache
+
+    def close(self) -> None:
+        if getattr(self, "batch", None) is not None:
+            lc.llama_batch_free(self.batch)
+            self.batch = None
+        if self.ctx:
+            lc.llama_free(self.ctx)
+            self.ctx = None
+
+
+@dataclass(frozen=True)
+class _Checkpoint:
+    n_tokens: int
+    """Tokens in the cache when the sliding-layer state was copied."""
+    data: bytes
+
+
+class LlamaCppPrefixCache:
+    """A prompt held in sequence 0; an edited prompt reuses what llama.cpp's memory still holds.
+
+    With an iSWA cache (no swa_full) the sliding layers keep only the last window plus a ubatch
+    of positions, so a prefix is usable only while they still hold the window before the split;
+    otherwise the newest checkpoint at or before the split is restored, or the prompt is
+    re-prefilled from token 0. llama-server does the same (its rule is one token stricter).
+    """
+
+    UBATCH = 512
+
+    def __init__(self, engine: LlamaCppEngine, policy: Policy, max_tokens: int) -> None:
+        self.policy = policy
+        params = lc.llama_context_default_params()
+        params.n_ctx = max_tokens + 1
+        params.n_batch = self.UBATCH
+        params.n_ubatch = self.UBATCH
+        params.n_seq_max = 1
+        params.n_threads = engine.options.n_threads
+        params.n_threads_batch = engine.options.n_threads
+        params.swa_full = policy.kind == "swa_full"
+        params.no_perf = True
+        ctx = lc.llama_init_from_model(engine.model, params)
+        if not ctx:
+            raise EngineError(f"llama.cpp could not create a context: {_log_excerpt()}")
+        self.ctx = ctx
+        self.memory = lc.llama_get_memory(ctx)
+        # With swa_full the sliding layers keep everything: for reuse they behave as full ones.
+        self.n_swa = 0 if params.swa_full else int(lc.llama_model_n_swa(engine.model))
+        self.batch = lc.llama_batch_init(self.UBATCH, 0, 1)
+        self.tokens: list[int] = []
+        self.checkpoints: list[_Checkpoint] = []
+
+    def _decode(self, token_ids: Sequence[int], start: int) -> None:
+        """Decode in ubatch-sized chunks, copying the sliding-layer state as the policy says."""
+        pos = start
+        while pos < start + len(token_ids):
+            chunk = token_ids[pos - start : pos - start + self.UBATCH]
+            batch = self.batch
+            batch.n_tokens = len(chunk)
+            for i, token in enumerate(chunk):
+                batch.token[i] = token
+                batch.pos[i] = pos + i
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = SEQ
+                batch.logits[i] = 1 if pos + i == start + len(token_ids) - 1 else 0
+            status = lc.llama_decode(self.ctx, batch)
+            if status != 0:
+                raise EngineError(f"llama_decode returned {status}: {_log_excerpt()}")
+            pos += len(chunk)
+            self._maybe_checkpoint(pos)
+
+    def _maybe_checkpoint(self, n_tokens: int) -> None:
+        policy = self.policy
+        if not policy.checkpoints:
+            return
+        if self.checkpoints and n_tokens - self.checkpoints[-1].n_tokens < policy.checkpoint_step:
+            return
+        flags = lc.LLAMA_STATE_SEQ_FLAGS_SWA_ONLY
+        size = lc.llama_state_seq_get_size_ext(self.ctx, SEQ, flags)
+        buffer = (ctypes.c_uint8 * size)()
+        written = lc.llama_state_seq_get_data_ext(self.ctx, buffer, size, SEQ, flags)
+        if written != size:
+            raise EngineError(f"llama.cpp wrote {written} of {size} checkpoint bytes")
+        self.checkpoints.append(_Checkpoint(n_tokens, bytes(buffer)))
+        del self.checkpoints[: -policy.checkpoints]  # keep the newest `checkpoints`
+
+    def prefill(self, token_ids: Sequence[int]) -> None:
+        self._decode(token_ids, 0)
+        self.tokens = list(token_ids)
+
+    def _window_held(self, keep: int) -> bool:
+        """Do the sliding layers still hold every position the token at `keep` attends to?"""
+        if not self.n_swa:
+            return True
+        oldest = lc.llama_memory_seq_pos_min(self.memory, SEQ)
+        return bool(oldest <= max(0, keep - self.n_swa + 1))
+
+    def _keep_prefix(self, keep: int) -> tuple[int, int | None]:
+        """Trim the cache to the longest usable prefix of `keep` tokens: (kept, checkpoint used)."""
+        restored: int | None = None
+        if keep and not self._window_held(keep):
+            usable = [c for c in self.checkpoints if c.n_tokens <= keep]
+            if not usable:
+                keep = 0
+            else:
+                newest = usable[-1]
+                data = (ctypes.c_uint8 * len(newest.data)).from_buffer_copy(newest.data)
+                read = lc.llama_state_seq_set_data_ext(
+                    self.ctx, data, len(newest.data), SEQ, lc.LLAMA_STATE_SEQ_FLAGS_SWA_ONLY
+                )
+                if read != len(newest.data):
+                    raise EngineError(
+                        f"llama.cpp restored {read} of {len(newest.data)} checkpoint bytes"
+                    )
+                keep = restored = newest.n_tokens
+        if not lc.llama_memory_seq_rm(self.memory, SEQ, keep, -1) or (
+            keep and lc.llama_memory_seq_pos_max(self.memory, SEQ) != keep - 1
+        ):
+            raise EngineError(f"llama.cpp could not keep the first {keep} cached tokens")
+        if keep == 0:
+            lc.llama_memory_seq_rm(self.memory, SEQ, -1, -1)
+        # Checkpoints past the kept prefix describe tokens that are gone.
+        self.checkpoints = [c for c in self.checkpoints if c.n_tokens <= keep]
+        return keep, restored
+
+    def replay(self, token_ids: Sequence[int]) -> Replay:
+        started = time.perf_counter()
+        split = common_prefix(self.tokens, token_ids)
+        # At least one token is decoded, so the follow-up has logits to generate from.
+        reused, restored = self._keep_prefix(min(split, len(token_ids) - 1))
+        self._decode(token_ids[reused:], reused)
+        self.tokens = list(token_ids)
+        return Replay(
+            prompt_tokens=len(token_ids),
+            split=split,
+            reused=reused,
+            reprefilled=len(token_ids) - reused,
+            restored_checkpoint=restored,
+            seconds=time.perf_counter() - started,
+        )
+
+    def memory_bytes(self) -> dict[str, float]:
+        return {
+            # The whole context state: every KV cell held (sliding layers included, all of them
+            # with swa_full) plus the small output buffer. The per-sequence state would leave out
+            # sliding-layer cells outside the window, so swa and swa_full would look the same.
+            "state_bytes": float(lc.llama_state_get_size(self.ctx)),
+            "checkpoint_bytes": float(sum(len(c.data) for c in self.checkpoints)),
+            "checkpoints": float(len(self.checkpoints)),
+        }
 
     def close(self) -> None:
         if getattr(self, "batch", None) is not None:

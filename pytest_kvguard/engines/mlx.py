@@ -16,18 +16,26 @@ BLAS_PATH = preload_openblas()
 
 # The engine is imported only after the BLAS choice above.
 import importlib.metadata  # noqa: E402
-from collections.abc import Sequence  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Mapping, Sequence  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
-from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache  # noqa: E402
+from mlx_lm.models.cache import (  # noqa: E402
+    KVCache,
+    RotatingKVCache,
+    can_trim_prompt_cache,
+    make_prompt_cache,
+    trim_prompt_cache,
+)
 
 from pytest_kvguard.engines import EngineOptions  # noqa: E402
 from pytest_kvguard.engines.mlx_gguf import load_gguf_model  # noqa: E402
 from pytest_kvguard.errors import EngineError, KvguardError  # noqa: E402
 from pytest_kvguard.policies import Policy  # noqa: E402
+from pytest_kvguard.scenarios.replay_types import Replay, common_prefix  # noqa: E402
 
 
 def load(model_path: Path, options: EngineOptions) -> MlxEngine:
@@ -56,6 +64,7 @@ class MlxEngine:
             self.model, self.facts = load_gguf_model(model_path)
             self._tokenizer = _gguf_tokenizer(model_path)
             self._encode = self._tokenizer.tokenize
+            self._render = self._tokenizer.render_chat
         else:
             # An mlx-lm model folder, or a hub id on machines that can reach the hub.
             from mlx_lm import load as mlx_load
@@ -63,6 +72,7 @@ class MlxEngine:
             self.model, tokenizer = mlx_load(str(model_path))[:2]
             self.facts = {"weights": "mlx_lm.load", "architecture": self.model.model_type}
             self._encode = tokenizer.encode
+            self._render = lambda messages: tokenizer.apply_chat_template(messages, tokenize=False)
 
     def version(self) -> str:
         return importlib.metadata.version("mlx-lm")
@@ -78,8 +88,14 @@ class MlxEngine:
     def tokenize(self, text: str) -> list[int]:
         return list(self._encode(text))
 
+    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
+        return str(self._render(messages))
+
     def open_stream(self, policy: Policy, max_tokens: int) -> MlxStream:
         return MlxStream(self, policy)
+
+    def open_prefix_cache(self, policy: Policy, max_tokens: int) -> MlxPrefixCache:
+        return MlxPrefixCache(self, policy)
 
     def close(self) -> None:
         self.model = None
@@ -158,6 +174,62 @@ class MlxStream:
     def layer_sizes(self) -> list[tuple[int, int]]:
         """(offset, size) per layer: tokens seen, and KV entries held."""
         return [(int(c.offset), int(c.size())) for c in self.cache]
+
+    def close(self) -> None:
+        self.cache = []
+
+
+class MlxPrefixCache:
+    """A prompt held in mlx-lm caches; an edited prompt reuses what mlx-lm's trim allows.
+
+    ``can_trim_prompt_cache`` / ``trim_prompt_cache`` decide, as in mlx-lm's own prompt caching:
+    a ``RotatingKVCache`` that has wrapped cannot be trimmed, so the prompt is re-prefilled.
+    """
+
+    CHUNK = 512
+
+    def __init__(self, engine: MlxEngine, policy: Policy) -> None:
+        self.engine = engine
+        self.policy = policy
+        self.cache = make_caches(engine.model, policy)
+        self.tokens: list[int] = []
+
+    def _decode(self, token_ids: Sequence[int]) -> None:
+        for start in range(0, len(token_ids), self.CHUNK):
+            chunk = mx.array(list(token_ids[start : start + self.CHUNK]))[None]
+            mx.eval(self.engine.model(chunk, cache=self.cache))
+
+    def prefill(self, token_ids: Sequence[int]) -> None:
+        self._decode(token_ids)
+        self.tokens = list(token_ids)
+
+    def replay(self, token_ids: Sequence[int]) -> Replay:
+        started = time.perf_counter()
+        split = common_prefix(self.tokens, token_ids)
+        keep = min(split, len(token_ids) - 1)
+        drop = len(self.tokens) - keep
+        if can_trim_prompt_cache(self.cache) and trim_prompt_cache(self.cache, drop) == drop:
+            reused = keep
+        else:
+            self.cache = make_caches(self.engine.model, self.policy)
+            reused = 0
+        self._decode(token_ids[reused:])
+        self.tokens = list(token_ids)
+        return Replay(
+            prompt_tokens=len(token_ids),
+            split=split,
+            reused=reused,
+            reprefilled=len(token_ids) - reused,
+            restored_checkpoint=None,
+            seconds=time.perf_counter() - started,
+        )
+
+    def memory_bytes(self) -> dict[str, float]:
+        return {
+            "state_bytes": float(sum(c.nbytes for c in self.cache)),
+            "checkpoint_bytes": 0.0,
+            "checkpoints": 0.0,
+        }
 
     def close(self) -> None:
         self.cache = []
