@@ -30,10 +30,10 @@ from typing import Any
 import yaml
 
 from pytest_kvguard.budgets import Budgets, unknown_key_error
-from pytest_kvguard.engines import ENGINES, check_policy, require_installed
+from pytest_kvguard.engines import ENGINES, check_policy, check_policy_kind, require_installed
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.models import ModelRef, parse_model
-from pytest_kvguard.policies import DEFAULT_CHECKPOINT_STEP, Policy, make_policy
+from pytest_kvguard.policies import DEFAULT_CHECKPOINT_STEP, POLICY_KINDS, Policy, make_policy
 from pytest_kvguard.scenarios.edit_replay import (
     DEFAULT_CHAT,
     FOLLOWUPS,
@@ -324,7 +324,11 @@ def _parse_check(entry: _Located, defaults: _Located, path: Path) -> Check:
 
     def policy_for(key: str, default: str | None) -> Policy:
         kind = text_field(key, default)
+        engine_scenario = "stream" if scenario == "parity" else scenario
         try:
+            if kind in POLICY_KINDS:
+                for engine_name, _ in engines:
+                    check_policy_kind(engine_name, kind, engine_scenario)
             policy = make_policy(
                 kind,
                 cap=int_param("cap", None),
@@ -335,7 +339,7 @@ def _parse_check(entry: _Located, defaults: _Located, path: Path) -> Check:
                 checkpoint_step=int_param("checkpoint_step", None) or DEFAULT_CHECKPOINT_STEP,
             )
             for engine_name, _ in engines:
-                check_policy(engine_name, policy, "stream" if scenario == "parity" else scenario)
+                check_policy(engine_name, policy, engine_scenario)
             return policy
         except KvguardError as exc:
             raise exc.located(path, line_of(key)) from None

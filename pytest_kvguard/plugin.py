@@ -70,10 +70,10 @@ def _option_path(config: pytest.Config, option: str, ini: str) -> Path | None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    signature = ", ".join(f"{name}=None" for name in Budgets.names())
     config.addinivalue_line(
         "markers",
-        "kv_budget(*, max_ppl_increase_pct=None, max_post_eviction_ppl=None, max_kv_entries=None):"
-        " budgets the test's kvguard scenario results must stay within.",
+        f"kv_budget(*, {signature}): budgets the test's kvguard scenario results must stay within.",
     )
     config.pluginmanager.register(KvguardReporter(config), "kvguard-reporter")
     if importlib.util.find_spec("mlx") is not None:
@@ -419,10 +419,11 @@ class KvguardReporter:
         if rows:
             terminalreporter.write_sep("=", "kvguard")
             terminalreporter.write_line(render_table(rows))
-            terminalreporter.write_line(
-                "ppl = perplexity over the tokens fed after the first eviction; "
-                "delta = candidate vs baseline on the same token ids."
-            )
+            if any(row.get("scenario") == "stream" for row in rows):
+                terminalreporter.write_line(
+                    "ppl = perplexity over the tokens fed after the first eviction; "
+                    "delta = candidate vs baseline on the same token ids."
+                )
         if self.json_error:
             terminalreporter.write_line(f"kvguard: ERROR {self.json_error}", red=True)
         elif self.json_path is not None:

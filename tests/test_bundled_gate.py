@@ -31,6 +31,13 @@ def test_bundled_check(kvguard_runner: Runner, check: Check) -> None:
     outcome = run_check(kvguard_runner, check)
     assert outcome.verdict == ("CAUGHT" if check.expect_violation else "PASS"), outcome.violations
     m = outcome.metrics
+    if check.scenario == "edit_replay":
+        assert m["reused_tokens"] + m["reprefill_tokens"] == m["prompt_tokens"]
+        assert m["reused_tokens"] <= min(m["split"], m["prompt_tokens"] - 1)
+        if check.policy.kind in ("full", "swa_full") and check.engine == "llama_cpp":
+            # Nothing slides out of these caches: the whole common prefix is reused.
+            assert m["reused_tokens"] == min(m["split"], m["prompt_tokens"] - 1)
+        return
     if check.scenario == "parity":
         # Both engines scored every one of the same token ids.
         assert outcome.tokens == check.tokens and m["mean_abs_nll_diff"] > 0

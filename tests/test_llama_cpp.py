@@ -70,3 +70,24 @@ def test_same_run_twice_is_bitwise_identical(runner: Runner, short_ids: list[int
     policy = make_policy("window", cap=64)
     first, second = run_stream(engine, policy, short_ids), run_stream(engine, policy, short_ids)
     assert np.array_equal(first.nll, second.nll)
+
+
+def test_edit_replay_counts_are_repeatable(kvguard_runner: Runner) -> None:
+    """Token counts and bytes are exact: the same replay twice gives the same figures."""
+    from pytest_kvguard.budgets import Budgets
+    from pytest_kvguard.budgets_file import ReplaySpec
+
+    policy = make_policy("swa", checkpoints=3, checkpoint_step=1024)
+    spec = ReplaySpec("tutor", "edit", 13)
+    runs = [
+        kvguard_runner.replay_check(
+            name="repeat", engine="llama_cpp", model=ModelRef("gemma3-270m"), policy=policy,
+            replay=spec, budgets=Budgets(),
+        )[1]
+        for _ in range(2)
+    ]  # fmt: skip
+    first, second = (run.metrics for run in runs)
+    assert first == second
+    # A checkpoint before the split was restored: less than the whole prompt is re-prefilled.
+    assert 0 < first["restored_checkpoint"] <= first["split"]
+    assert first["reused_tokens"] == first["restored_checkpoint"]

@@ -187,15 +187,20 @@ def engine_info(name: str) -> EngineInfo:
         ) from None
 
 
+def check_policy_kind(name: str, kind: str, scenario: str) -> None:
+    """Refuse a policy kind the engine's adapter does not implement for this scenario."""
+    kinds = engine_info(name).policies.get(scenario, ())
+    if kind not in kinds:
+        raise KvguardError(
+            f"engine '{name}' does not implement policy '{kind}' for {scenario}",
+            fix="use one of " + ", ".join(kinds) if kinds else f"use another engine for {scenario}",
+        )
+
+
 def check_policy(name: str, policy: Policy, scenario: str = "stream") -> None:
     """Refuse a policy, position handling or eviction step the engine's adapter cannot run."""
     info = engine_info(name)
-    kinds = info.policies.get(scenario, ())
-    if policy.kind not in kinds:
-        raise KvguardError(
-            f"engine '{name}' does not implement policy '{policy.kind}' for {scenario}",
-            fix="use one of " + ", ".join(kinds) if kinds else f"use another engine for {scenario}",
-        )
+    check_policy_kind(name, policy.kind, scenario)
     if policy.bounded and policy.positions not in info.position_modes:
         raise KvguardError(
             f"engine '{name}' cannot run positions '{policy.positions}'",

@@ -1,0 +1,117 @@
+"""edit_replay follow-ups and budgets-file rules, without an engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pytest_kvguard.budgets_file import load_budgets_file
+from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.scenarios.edit_replay import (
+    APPENDED_TURN,
+    EDIT_SUFFIX,
+    followup,
+    history,
+    load_conversation,
+)
+from pytest_kvguard.scenarios.replay_types import common_prefix
+
+TUTOR = load_conversation("tutor", Path("."))
+
+
+def test_bundled_chat_has_reasoning_to_trim() -> None:
+    assert len(TUTOR.messages) == 25
+    assert sum(1 for m in TUTOR.messages if m.reasoning) == 12
+
+
+def test_edit_changes_only_that_message() -> None:
+    before, after = history(TUTOR), followup(TUTOR, "edit", 13)
+    changed = [i for i, (a, b) in enumerate(zip(before, after, strict=True)) if a != b]
+    assert changed == [13] and after[13]["content"].endswith(EDIT_SUFFIX)
+
+
+def test_regenerate_drops_the_last_reply_and_append_adds_a_turn() -> None:
+    assert followup(TUTOR, "regenerate", None) == history(TUTOR)[:-1]
+    assert followup(TUTOR, "append", None)[-1] == {"role": "user", "content": APPENDED_TURN}
+
+
+def test_trim_reasoning_keeps_only_the_last_replys_reasoning() -> None:
+    trimmed = followup(TUTOR, "trim_reasoning", None)
+    with_think = [i for i, m in enumerate(trimmed) if m["content"].startswith("<think>")]
+    assert with_think == [24]
+
+
+def test_edit_index_out_of_range() -> None:
+    with pytest.raises(KvguardError, match="within the chat's 25 messages"):
+        followup(TUTOR, "edit", 25)
+
+
+def test_common_prefix() -> None:
+    assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert common_prefix([1, 2], [1, 2, 3]) == 2
+    assert common_prefix([], [1]) == 0
+
+
+CHECK = """\
+version: 1
+defaults:
+  engine: llama_cpp
+  model: smollm2-135m
+  params: {{tokens: 1500, cap: 256}}
+  budgets: {{max_ppl_increase_pct: 25}}
+checks:
+  - name: replay
+    scenario: edit_replay
+    policy: {policy}
+    params: {params}
+    budgets: {budgets}
+"""
+
+
+def write(tmp_path: Path, policy: str = "full", params: str = "{followup: edit, message: 1}",
+          budgets: str = "{max_reprefill_tokens: 10}") -> Path:  # fmt: skip
+    path = tmp_path / "b.yaml"
+    path.write_text(CHECK.format(policy=policy, params=params, budgets=budgets))
+    return path
+
+
+def test_defaults_of_other_scenarios_do_not_leak_in(tmp_path: Path) -> None:
+    (check,) = load_budgets_file(write(tmp_path)).checks
+    assert check.replay is not None and check.replay.message == 1
+    assert check.budgets.declared() == {"max_reprefill_tokens": 10}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"params": "{followup: edit}"}, "b.yaml:11: params.message goes with followup: edit"),
+        ({"params": "{followup: rewrite}"}, "b.yaml:11: unknown follow-up 'rewrite'"),
+        (
+            {"params": "{followup: append, cap: 5}"},
+            "b.yaml:11: unknown edit_replay parameter 'cap'",
+        ),
+        ({"budgets": "{max_kv_entries: 5}"}, "b.yaml:12: budget max_kv_entries does not apply to"),
+        (
+            {"budgets": "{max_memory_bytes: 3 parsecs}"},
+            "b.yaml:12: budget max_memory_bytes must be a size",
+        ),
+        (
+            {"policy": "window"},
+            "b.yaml:10: engine 'llama_cpp' does not implement policy 'window' for",
+        ),
+        ({"params": "{followup: edit, message: 99}"}, "b.yaml:10: edit needs a message index"),
+        ({"params": "{followup: append, chat: none.json}"}, "b.yaml:11: chat file 'none.json'"),
+    ],
+)
+def test_replay_check_errors(tmp_path: Path, kwargs: dict[str, str], message: str) -> None:
+    with pytest.raises(KvguardError) as caught:
+        load_budgets_file(write(tmp_path, **kwargs))
+    assert "\n" not in str(caught.value)
+    assert message in str(caught.value).replace(str(tmp_path) + "/", "")
+
+
+def test_memory_budget_in_human_units(tmp_path: Path) -> None:
+    path = write(tmp_path, budgets="{max_memory_bytes: 24 MiB}")
+    (check,) = load_budgets_file(path).checks
+    assert check.budgets.max_memory_bytes == 24 * 2**20
