@@ -18,7 +18,6 @@ import numpy as np
 
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.policies import Policy
-from pytest_kvguard.scenarios.replay_types import Replay
 
 
 class Stream(Protocol):
@@ -56,10 +55,15 @@ class Stream(Protocol):
 class PrefixCache(Protocol):
     """An engine's cache holding one prompt, able to serve an edited prompt (edit_replay)."""
 
-    def prefill(self, token_ids: Sequence[int]) -> None: ...
+    def extend(self, token_ids: Sequence[int], start: int) -> None:
+        """Decode ``token_ids`` at positions ``start``, ``start + 1``, ... after the cached ones."""
+        ...
 
-    def replay(self, token_ids: Sequence[int]) -> Replay:
-        """Keep what the engine's memory operations allow of the cached prompt; decode the rest."""
+    def keep_prefix(self, n_tokens: int) -> tuple[int, int | None]:
+        """Trim the cache to the longest prefix of at most ``n_tokens`` the engine can still use.
+
+        Returns the tokens kept and, when a checkpoint was restored to get them, its length.
+        """
         ...
 
     def memory_bytes(self) -> dict[str, float]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import ctypes
 import os
 import resource
-import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -23,7 +22,6 @@ import numpy as np
 from pytest_kvguard.engines import EngineOptions
 from pytest_kvguard.errors import EngineError
 from pytest_kvguard.policies import Policy
-from pytest_kvguard.scenarios.replay_types import Replay, common_prefix
 
 SEQ = 0
 """Every stream runs as sequence 0 of its own context."""
@@ -178,27 +176,59 @@ class LlamaCppEngine:
             self.model = None
 
 
-class LlamaCppStream:
-    """Sequence 0 of a fresh context, with the policy applied by seq_rm / seq_add."""
+class _Sequence:
+    """Sequence 0 of a fresh llama.cpp context of its own, and a reusable batch."""
 
-    def __init__(self, engine: LlamaCppEngine, policy: Policy, max_tokens: int) -> None:
-        self.engine = engine
-        self.policy = policy
-        self.batch_capacity = 512
+    UBATCH = 512
+
+    def __init__(self, engine: LlamaCppEngine, n_ctx: int, swa_full: bool = False) -> None:
         params = lc.llama_context_default_params()
-        # A bounded policy never holds more than `cap`; llama.cpp pads the cell count to 256.
-        params.n_ctx = policy.cap if policy.cap is not None else max_tokens
-        params.n_batch = self.batch_capacity
-        params.n_ubatch = self.batch_capacity
+        params.n_ctx = n_ctx  # llama.cpp pads the cell count to a multiple of 256
+        params.n_batch = self.UBATCH
+        params.n_ubatch = self.UBATCH
         params.n_seq_max = 1
         params.n_threads = engine.options.n_threads
         params.n_threads_batch = engine.options.n_threads
+        params.swa_full = swa_full
         params.no_perf = True
         ctx = lc.llama_init_from_model(engine.model, params)
         if not ctx:
             raise EngineError(f"llama.cpp could not create a context: {_log_excerpt()}")
+        self.engine = engine
         self.ctx = ctx
         self.memory = lc.llama_get_memory(ctx)
+        self.batch = lc.llama_batch_init(self.UBATCH, 0, 1)
+
+    def _decode(self, token_ids: Sequence[int], first_pos: int, all_logits: bool) -> None:
+        """One llama_decode of up to UBATCH tokens at consecutive positions."""
+        batch = self.batch
+        batch.n_tokens = len(token_ids)
+        for i, token in enumerate(token_ids):
+            batch.token[i] = token
+            batch.pos[i] = first_pos + i
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = SEQ
+            batch.logits[i] = 1 if all_logits or i == len(token_ids) - 1 else 0
+        status = lc.llama_decode(self.ctx, batch)
+        if status != 0:
+            raise EngineError(f"llama_decode returned {status}: {_log_excerpt()}")
+
+    def close(self) -> None:
+        if getattr(self, "batch", None) is not None:
+            lc.llama_batch_free(self.batch)
+            self.batch = None
+        if getattr(self, "ctx", None):
+            lc.llama_free(self.ctx)
+            self.ctx = None
+
+
+class LlamaCppStream(_Sequence):
+    """A stream under a policy applied by seq_rm (eviction) and seq_add (re-indexing)."""
+
+    def __init__(self, engine: LlamaCppEngine, policy: Policy, max_tokens: int) -> None:
+        # A bounded policy never holds more than `cap`.
+        super().__init__(engine, policy.cap if policy.cap is not None else max_tokens)
+        self.policy = policy
         if (
             policy.positions == "reindexed"
             and policy.bounded
@@ -209,7 +239,6 @@ class LlamaCppStream:
                 "this model's llama.cpp cache cannot shift positions",
                 fix="use positions: absolute for this model",
             )
-        self.batch = lc.llama_batch_init(self.batch_capacity, 0, 1)
         self._held = 0
         self._evicted = 0
         self._next_pos = 0  # position the next token is written at
@@ -257,8 +286,8 @@ class LlamaCppStream:
 
     def feed(self, token_ids: Sequence[int]) -> np.ndarray:
         n = len(token_ids)
-        if not 0 < n <= self.batch_capacity:
-            raise ValueError(f"feed 1..{self.batch_capacity} tokens at a time, got {n}")
+        if not 0 < n <= self.UBATCH:
+            raise ValueError(f"feed 1..{self.UBATCH} tokens at a time, got {n}")
         cap = self.policy.cap
         if cap is not None:
             if n > cap - self.policy.sinks:
@@ -267,17 +296,7 @@ class LlamaCppStream:
                 )
             while self._held + n > cap:
                 self._evict(self.policy.evict_step)
-        batch = self.batch
-        batch.n_tokens = n
-        for i, token in enumerate(token_ids):
-            batch.token[i] = token
-            batch.pos[i] = self._next_pos + i
-            batch.n_seq_id[i] = 1
-            batch.seq_id[i][0] = SEQ
-            batch.logits[i] = 1
-        status = lc.llama_decode(self.ctx, batch)
-        if status != 0:
-            raise EngineError(f"llama_decode returned {status}: {_log_excerpt()}")
+        self._decode(token_ids, self._next_pos, all_logits=True)
         self._next_pos += n
         self._held += n
         logits_ptr = lc.llama_get_logits(self.ctx)
@@ -299,14 +318,6 @@ class LlamaCppStream:
     def layer_sizes(self) -> list[tuple[int, int]]:
         return []  # llama.cpp holds the same cells in every layer of a non-SWA cache
 
-    def close(self) -> None:
-        if getattr(self, "batch", None) is not None:
-            lc.llama_batch_free(self.batch)
-            self.batch = None
-        if self.ctx:
-            lc.llama_free(self.ctx)
-            self.ctx = None
-
 
 @dataclass(frozen=True)
 class _Checkpoint:
@@ -315,7 +326,7 @@ class _Checkpoint:
     data: bytes
 
 
-class LlamaCppPrefixCache:
+class LlamaCppPrefixCache(_Sequence):
     """A prompt held in sequence 0; an edited prompt reuses what llama.cpp's memory still holds.
 
     With an iSWA cache (no swa_full) the sliding layers keep only the last window plus a ubatch
@@ -324,48 +335,20 @@ class LlamaCppPrefixCache:
     re-prefilled from token 0. llama-server does the same (its rule is one token stricter).
     """
 
-    UBATCH = 512
-
     def __init__(self, engine: LlamaCppEngine, policy: Policy, max_tokens: int) -> None:
+        swa_full = policy.kind == "swa_full"
+        super().__init__(engine, max_tokens + 1, swa_full=swa_full)
         self.policy = policy
-        params = lc.llama_context_default_params()
-        params.n_ctx = max_tokens + 1
-        params.n_batch = self.UBATCH
-        params.n_ubatch = self.UBATCH
-        params.n_seq_max = 1
-        params.n_threads = engine.options.n_threads
-        params.n_threads_batch = engine.options.n_threads
-        params.swa_full = policy.kind == "swa_full"
-        params.no_perf = True
-        ctx = lc.llama_init_from_model(engine.model, params)
-        if not ctx:
-            raise EngineError(f"llama.cpp could not create a context: {_log_excerpt()}")
-        self.ctx = ctx
-        self.memory = lc.llama_get_memory(ctx)
         # With swa_full the sliding layers keep everything: for reuse they behave as full ones.
-        self.n_swa = 0 if params.swa_full else int(lc.llama_model_n_swa(engine.model))
-        self.batch = lc.llama_batch_init(self.UBATCH, 0, 1)
-        self.tokens: list[int] = []
+        self.n_swa = 0 if swa_full else int(lc.llama_model_n_swa(engine.model))
         self.checkpoints: list[_Checkpoint] = []
 
-    def _decode(self, token_ids: Sequence[int], start: int) -> None:
+    def extend(self, token_ids: Sequence[int], start: int) -> None:
         """Decode in ubatch-sized chunks, copying the sliding-layer state as the policy says."""
-        pos = start
-        while pos < start + len(token_ids):
-            chunk = token_ids[pos - start : pos - start + self.UBATCH]
-            batch = self.batch
-            batch.n_tokens = len(chunk)
-            for i, token in enumerate(chunk):
-                batch.token[i] = token
-                batch.pos[i] = pos + i
-                batch.n_seq_id[i] = 1
-                batch.seq_id[i][0] = SEQ
-                batch.logits[i] = 1 if pos + i == start + len(token_ids) - 1 else 0
-            status = lc.llama_decode(self.ctx, batch)
-            if status != 0:
-                raise EngineError(f"llama_decode returned {status}: {_log_excerpt()}")
-            pos += len(chunk)
-            self._maybe_checkpoint(pos)
+        for offset in range(0, len(token_ids), self.UBATCH):
+            chunk = token_ids[offset : offset + self.UBATCH]
+            self._decode(chunk, start + offset, all_logits=False)
+            self._maybe_checkpoint(start + offset + len(chunk))
 
     def _maybe_checkpoint(self, n_tokens: int) -> None:
         policy = self.policy
@@ -382,10 +365,6 @@ class LlamaCppPrefixCache:
         self.checkpoints.append(_Checkpoint(n_tokens, bytes(buffer)))
         del self.checkpoints[: -policy.checkpoints]  # keep the newest `checkpoints`
 
-    def prefill(self, token_ids: Sequence[int]) -> None:
-        self._decode(token_ids, 0)
-        self.tokens = list(token_ids)
-
     def _window_held(self, keep: int) -> bool:
         """Do the sliding layers still hold every position the token at `keep` attends to?"""
         if not self.n_swa:
@@ -393,7 +372,7 @@ class LlamaCppPrefixCache:
         oldest = lc.llama_memory_seq_pos_min(self.memory, SEQ)
         return bool(oldest <= max(0, keep - self.n_swa + 1))
 
-    def _keep_prefix(self, keep: int) -> tuple[int, int | None]:
+    def keep_prefix(self, keep: int) -> tuple[int, int | None]:
         """Trim the cache to the longest usable prefix of `keep` tokens: (kept, checkpoint used)."""
         restored: int | None = None
         if keep and not self._window_held(keep):
@@ -421,22 +400,6 @@ class LlamaCppPrefixCache:
         self.checkpoints = [c for c in self.checkpoints if c.n_tokens <= keep]
         return keep, restored
 
-    def replay(self, token_ids: Sequence[int]) -> Replay:
-        started = time.perf_counter()
-        split = common_prefix(self.tokens, token_ids)
-        # At least one token is decoded, so the follow-up has logits to generate from.
-        reused, restored = self._keep_prefix(min(split, len(token_ids) - 1))
-        self._decode(token_ids[reused:], reused)
-        self.tokens = list(token_ids)
-        return Replay(
-            prompt_tokens=len(token_ids),
-            split=split,
-            reused=reused,
-            reprefilled=len(token_ids) - reused,
-            restored_checkpoint=restored,
-            seconds=time.perf_counter() - started,
-        )
-
     def memory_bytes(self) -> dict[str, float]:
         return {
             # The whole context state: every KV cell held (sliding layers included, all of them
@@ -446,11 +409,3 @@ class LlamaCppPrefixCache:
             "checkpoint_bytes": float(sum(len(c.data) for c in self.checkpoints)),
             "checkpoints": float(len(self.checkpoints)),
         }
-
-    def close(self) -> None:
-        if getattr(self, "batch", None) is not None:
-            lc.llama_batch_free(self.batch)
-            self.batch = None
-        if self.ctx:
-            lc.llama_free(self.ctx)
-            self.ctx = None

@@ -16,7 +16,6 @@ BLAS_PATH = preload_openblas()
 
 # The engine is imported only after the BLAS choice above.
 import importlib.metadata  # noqa: E402
-import time  # noqa: E402
 from collections.abc import Mapping, Sequence  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
@@ -35,7 +34,6 @@ from pytest_kvguard.engines import EngineOptions  # noqa: E402
 from pytest_kvguard.engines.mlx_gguf import load_gguf_model  # noqa: E402
 from pytest_kvguard.errors import EngineError, KvguardError  # noqa: E402
 from pytest_kvguard.policies import Policy  # noqa: E402
-from pytest_kvguard.scenarios.replay_types import Replay, common_prefix  # noqa: E402
 
 
 def load(model_path: Path, options: EngineOptions) -> MlxEngine:
@@ -192,37 +190,22 @@ class MlxPrefixCache:
         self.engine = engine
         self.policy = policy
         self.cache = make_caches(engine.model, policy)
-        self.tokens: list[int] = []
+        self.n_tokens = 0
 
-    def _decode(self, token_ids: Sequence[int]) -> None:
-        for start in range(0, len(token_ids), self.CHUNK):
-            chunk = mx.array(list(token_ids[start : start + self.CHUNK]))[None]
+    def extend(self, token_ids: Sequence[int], start: int) -> None:
+        for offset in range(0, len(token_ids), self.CHUNK):
+            chunk = mx.array(list(token_ids[offset : offset + self.CHUNK]))[None]
             mx.eval(self.engine.model(chunk, cache=self.cache))
+        self.n_tokens = start + len(token_ids)
 
-    def prefill(self, token_ids: Sequence[int]) -> None:
-        self._decode(token_ids)
-        self.tokens = list(token_ids)
-
-    def replay(self, token_ids: Sequence[int]) -> Replay:
-        started = time.perf_counter()
-        split = common_prefix(self.tokens, token_ids)
-        keep = min(split, len(token_ids) - 1)
-        drop = len(self.tokens) - keep
+    def keep_prefix(self, keep: int) -> tuple[int, int | None]:
+        drop = self.n_tokens - keep
         if can_trim_prompt_cache(self.cache) and trim_prompt_cache(self.cache, drop) == drop:
-            reused = keep
+            self.n_tokens = keep
         else:
             self.cache = make_caches(self.engine.model, self.policy)
-            reused = 0
-        self._decode(token_ids[reused:])
-        self.tokens = list(token_ids)
-        return Replay(
-            prompt_tokens=len(token_ids),
-            split=split,
-            reused=reused,
-            reprefilled=len(token_ids) - reused,
-            restored_checkpoint=None,
-            seconds=time.perf_counter() - started,
-        )
+            self.n_tokens = 0
+        return self.n_tokens, None
 
     def memory_bytes(self) -> dict[str, float]:
         return {

@@ -18,7 +18,7 @@ from pathlib import Path
 from pytest_kvguard.engines import Engine
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.policies import Policy
-from pytest_kvguard.scenarios.replay_types import Replay
+from pytest_kvguard.scenarios.replay_types import Replay, common_prefix
 
 DEFAULT_CHAT = "tutor"
 FOLLOWUPS = {
@@ -142,10 +142,22 @@ def run_edit_replay(
     cache = engine.open_prefix_cache(policy, max(len(first_ids), len(followup_ids)))
     try:
         started = time.perf_counter()
-        cache.prefill(first_ids)
+        cache.extend(first_ids, 0)
         prefill_seconds = time.perf_counter() - started
         memory = cache.memory_bytes()
-        replay = cache.replay(followup_ids)
+        started = time.perf_counter()
+        split = common_prefix(first_ids, followup_ids)
+        # At least one token is decoded, so the follow-up has logits to generate from.
+        reused, restored = cache.keep_prefix(min(split, len(followup_ids) - 1))
+        cache.extend(followup_ids[reused:], reused)
+        replay = Replay(
+            prompt_tokens=len(followup_ids),
+            split=split,
+            reused=reused,
+            reprefilled=len(followup_ids) - reused,
+            restored_checkpoint=restored,
+            seconds=time.perf_counter() - started,
+        )
     finally:
         cache.close()
     return ReplayRun(policy, len(first_ids), replay, memory, prefill_seconds)
