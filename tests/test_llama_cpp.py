@@ -91,3 +91,9 @@ def test_edit_replay_counts_are_repeatable(kvguard_runner: Runner) -> None:
     # A checkpoint before the split was restored: less than the whole prompt is re-prefilled.
     assert 0 < first["restored_checkpoint"] <= first["split"]
     assert first["reused_tokens"] == first["restored_checkpoint"]
+
+
+@pytest.mark.kv_budget(min_reused_tokens=4153, max_reprefill_tokens=29, max_memory_bytes="28 MiB")
+def test_edit_replay_marker(kvguard) -> None:  # type: ignore[no-untyped-def]
+    outcome = kvguard.edit_replay(policy="swa", followup="append", model="gemma3-270m")
+    assert outcome.metrics["split"] == outcome.metrics["first_prompt_tokens"]
