@@ -97,3 +97,28 @@ def test_edit_replay_counts_are_repeatable(kvguard_runner: Runner) -> None:
 def test_edit_replay_marker(kvguard) -> None:  # type: ignore[no-untyped-def]
     outcome = kvguard.edit_replay(policy="swa", followup="append", model="gemma3-270m")
     assert outcome.metrics["split"] == outcome.metrics["first_prompt_tokens"]
+
+
+@pytest.mark.parametrize(
+    ("model", "policy"),
+    [("smollm2-135m", "full"), ("gemma3-270m", "swa"), ("gemma3-270m", "swa_full")],
+)
+def test_state_bytes_match_the_capacity_prediction(
+    kvguard_runner: Runner, model: str, policy: str
+) -> None:
+    """llama.cpp's state after N tokens against the calculator's f16 prediction, within 0.5%."""
+    from pytest_kvguard.capacity import predict_kv_bytes
+
+    ref = ModelRef(model)
+    engine, path = kvguard_runner.engine("llama_cpp", ref)
+    arch = read_arch(path)
+    ids = kvguard_runner.token_ids("llama_cpp", ref, pydoc_topics(), 3000)
+    for n in (1000, 3000):
+        cache = engine.open_prefix_cache(make_policy(policy), n)
+        try:
+            cache.extend(ids[:n], 0)
+            measured = cache.memory_bytes()["state_bytes"]
+        finally:
+            cache.close()
+        predicted = predict_kv_bytes(arch, n, policy)
+        assert measured == pytest.approx(predicted, rel=5e-3), (n, measured, predicted)

@@ -1,0 +1,61 @@
+"""The capacity calculator against hand arithmetic (no weights, no engine)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pytest_kvguard.capacity import arch_from_config, capacity_table, main, predict_kv_bytes
+
+CONFIG = Path(__file__).parent.parent / "fixtures" / "gemma-3-270m.config.json"
+
+
+def test_config_json_reads_the_sliding_layout() -> None:
+    arch = arch_from_config(CONFIG)
+    assert (arch.n_layers, arch.n_kv_heads, arch.head_dim_k, arch.sliding_window) == (
+        18,
+        1,
+        256,
+        512,
+    )
+    assert [i for i, slides in enumerate(arch.swa_layers) if not slides] == [5, 11, 17]
+
+
+def test_table_matches_hand_arithmetic() -> None:
+    # One token in one layer: 1 KV head x (256 + 256) x 2 bytes = 1,024 B.
+    # 4,096 tokens: full 18 x 4,096 x 1,024 = 75,497,472 B = 72.00 MiB.
+    # cap 256: 18 x 256 x 1,024 = 4,718,592 B = 4.50 MiB.
+    # swa: 15 sliding layers x pad256(512 + 512) = 1,024 cells, 3 full layers x 4,096:
+    #      (15,360 + 12,288) x 1,024 = 28,311,552 B = 27.00 MiB; saving 72 / 27 = 2.67x.
+    headers, rows = capacity_table(arch_from_config(CONFIG), [4096], cap=256)
+    assert headers == ["context", "full", "window/sink 256", "swa", "swa_full", "full / swa"]
+    assert rows == [["4096", "72.00 MiB", "4.50 MiB", "27.00 MiB", "72.00 MiB", "2.67x"]]
+
+
+def test_short_contexts_do_not_slide() -> None:
+    arch = arch_from_config(CONFIG)
+    assert (
+        predict_kv_bytes(arch, 800, "swa") == predict_kv_bytes(arch, 800, "full") == 18 * 800 * 1024
+    )
+
+
+def test_more_slots_and_a_bigger_ubatch_widen_the_sliding_cells() -> None:
+    arch = arch_from_config(CONFIG)
+    # pad256(512 x 2 + 1,024) = 2,048 cells per sliding layer.
+    assert (
+        predict_kv_bytes(arch, 4096, "swa", n_ubatch=1024, n_seq=2) == (15 * 2048 + 3 * 4096) * 1024
+    )
+
+
+def test_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(CONFIG), "--contexts", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert "sliding window 512 on 15 of 18 layers" in out and "27.00 MiB" in out
+
+
+def test_command_line_bad_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "config.json"
+    bad.write_text("{}")
+    assert main([str(bad)]) == 2
+    assert "lacks 'num_hidden_layers'" in capsys.readouterr().err
