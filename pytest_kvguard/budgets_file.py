@@ -292,6 +292,12 @@ def _parse_check(entry: _Located, defaults: _Located, path: Path) -> Check:
     engine = engines[0][0]
     try:
         model = parse_model(text_field("model"), path.parent)
+        for engine_name, _ in engines:
+            if model.form not in ENGINES[engine_name].model_forms:
+                raise KvguardError(
+                    f"engine '{engine_name}' cannot load a model {model.form} ('{model.name}')",
+                    fix="give a bundled model or a .gguf file",
+                )
     except KvguardError as exc:
         raise exc.located(path, line_of("model")) from None
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
@@ -89,13 +90,16 @@ class ModelRef:
     """The short name, or the path as written."""
     path: Path | None = None
     """Set for a file path; None for a bundled model (resolved on first use)."""
+    form: str = "gguf"
+    """``gguf`` (a bundled model or a GGUF file), ``folder`` or ``hub``."""
 
     @property
     def bundled(self) -> BundledModel | None:
         return BUNDLED_MODELS.get(self.name) if self.path is None else None
 
     def resolve(self) -> Path:
-        """The GGUF file on disk. An environment variable can point a bundled name elsewhere."""
+        """The GGUF file (or folder, or hub id as a path). An environment variable can point a
+        bundled name elsewhere."""
         if self.path is not None:
             return self.path
         override = os.environ.get(env_var_for(self.name))
@@ -122,20 +126,29 @@ def check_gguf_path(path: Path, written_as: str) -> Path:
     return path
 
 
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
 def parse_model(value: str, base_dir: Path) -> ModelRef:
-    """A bundled short name, or a path (relative to ``base_dir``) to a GGUF file."""
+    """A bundled short name; a GGUF file or a model folder (relative to ``base_dir``); a hub id."""
     if value in BUNDLED_MODELS:
         return ModelRef(value)
-    looks_like_path = value.endswith(".gguf") or "/" in value or os.sep in value
-    if not looks_like_path:
-        raise KvguardError(
-            f"unknown model '{value}'",
-            fix="use one of " + ", ".join(BUNDLED_MODELS) + ", or a path to a .gguf file",
-        )
     path = Path(value).expanduser()
     if not path.is_absolute():
         path = base_dir / path
-    return ModelRef(value, check_gguf_path(path, f"'{value}'"))
+    if path.is_dir():
+        return ModelRef(value, path, form="folder")
+    if value.endswith(".gguf") or path.exists():
+        return ModelRef(value, check_gguf_path(path, f"'{value}'"))
+    if HUB_ID.match(value):
+        # Only engines that load from a hub accept this (mlx_lm.load, on machines that reach it).
+        return ModelRef(value, Path(value), form="hub")
+    raise KvguardError(
+        f"unknown model '{value}'",
+        fix="use one of "
+        + ", ".join(BUNDLED_MODELS)
+        + ", a .gguf file, a model folder or a hub id",
+    )
 
 
 @dataclass(frozen=True)

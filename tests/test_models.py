@@ -42,3 +42,26 @@ def test_not_a_gguf(tmp_path: Path) -> None:
     bad.write_bytes(b"not a gguf at all")
     with pytest.raises(KvguardError, match="not a readable GGUF"):
         read_arch(bad)
+
+
+def test_model_folder_and_hub_id_forms(tmp_path: Path) -> None:
+    (tmp_path / "my-mlx-model").mkdir()
+    folder = parse_model("my-mlx-model", tmp_path)
+    assert (folder.form, folder.path) == ("folder", tmp_path / "my-mlx-model")
+    hub = parse_model("mlx-community/SmolLM2-135M-Instruct", tmp_path)
+    assert hub.form == "hub" and str(hub.resolve()) == "mlx-community/SmolLM2-135M-Instruct"
+
+
+def test_llama_cpp_refuses_a_model_folder(tmp_path: Path) -> None:
+    from pytest_kvguard.budgets_file import load_budgets_file
+
+    (tmp_path / "folder").mkdir()
+    budgets = tmp_path / "b.yaml"
+    budgets.write_text(
+        "version: 1\nchecks:\n  - name: a\n    engine: llama_cpp\n    model: folder\n"
+        "    policy: sink\n    params: {cap: 64, tokens: 400}\n    budgets: {max_kv_entries: 64}\n"
+    )
+    with pytest.raises(
+        KvguardError, match="b.yaml:5: engine 'llama_cpp' cannot load a model folder"
+    ):
+        load_budgets_file(budgets)

@@ -148,6 +148,8 @@ class EngineInfo:
     """Position handling it supports; the first is its own (the default)."""
     fixed_evict_step: int | None = None
     """Set when the engine only evicts this many tokens per step."""
+    model_forms: tuple[str, ...] = ("gguf",)
+    """What a check's model may be: gguf (bundled or file), folder, hub."""
 
 
 ENGINES: dict[str, EngineInfo] = {
@@ -177,6 +179,7 @@ ENGINES: dict[str, EngineInfo] = {
             },
             position_modes=("absolute",),
             fixed_evict_step=1,
+            model_forms=("gguf", "folder", "hub"),
         ),
     )
 }
