@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,7 @@ from pytest_kvguard.scenarios.edit_replay import (
     load_conversation,
 )
 from pytest_kvguard.scenarios.stream import check_reaches_eviction
-from pytest_kvguard.texts import DEFAULT_TEXT
+from pytest_kvguard.texts import DEFAULT_TEXT, load_text
 
 SCHEMA_VERSION = 1
 SCENARIOS = {
@@ -222,14 +223,6 @@ def _reject_unknown(mapping: _Located, known: list[str], kind: str, path: Path) 
             raise unknown_key_error(kind, str(key), known).located(path, mapping.key_lines[key])
 
 
-def _is_budget_value(name: Any, value: Any) -> bool:
-    try:
-        Budgets.from_mapping({name: value})
-    except KvguardError:
-        return False
-    return True
-
-
 def _type_error(key: str, wanted: str, value: Any, path: Path, line: int) -> KvguardError:
     return KvguardError(
         f"{key} must be {wanted}, got {value!r}",
@@ -239,8 +232,18 @@ def _type_error(key: str, wanted: str, value: Any, path: Path, line: int) -> Kvg
     )
 
 
-def _merged(defaults: _Located, entry: _Located, key: str, path: Path) -> _Located:
-    """defaults[key] overlaid with entry[key], remembering each key's own line."""
+def _merged(
+    defaults: _Located,
+    entry: _Located,
+    key: str,
+    path: Path,
+    meant_elsewhere: Callable[[Any], bool],
+) -> _Located:
+    """defaults[key] overlaid with entry[key], remembering each key's own line.
+
+    A default that is ``meant_elsewhere`` (it belongs to checks of another scenario) is left
+    out; the same name written on the check itself stays, so its check can refuse it.
+    """
     merged = _Located()
     merged.line, merged.key_lines = entry.line, {}
     for source in (defaults, entry):
@@ -249,8 +252,11 @@ def _merged(defaults: _Located, entry: _Located, key: str, path: Path) -> _Locat
             continue
         if not isinstance(value, _Located):
             raise _type_error(key, "a mapping", value, path, source.key_lines[key])
-        merged.update(value)
-        merged.key_lines.update(value.key_lines)
+        for name, item in value.items():
+            if source is defaults and meant_elsewhere(name):
+                continue
+            merged[name] = item
+            merged.key_lines[name] = value.key_lines[name]
     return merged
 
 
@@ -301,17 +307,16 @@ def _parse_check(entry: _Located, defaults: _Located, path: Path) -> Check:
     except KvguardError as exc:
         raise exc.located(path, line_of("model")) from None
 
-    params = _merged(defaults, entry, "params", path)
     known = SCENARIO_PARAMS[scenario]
-    own_params = entry.get("params") or {}
-    for key in list(params):
-        if key in known:
-            continue
-        if key in own_params or not any(key in p for p in SCENARIO_PARAMS.values()):
+    any_scenario = {name for names in SCENARIO_PARAMS.values() for name in names}
+    params = _merged(
+        defaults, entry, "params", path, lambda key: key in any_scenario and key not in known
+    )
+    for key in params:
+        if key not in known:
             raise unknown_key_error(f"{scenario} parameter", str(key), list(known)).located(
                 path, params.key_lines[key]
             )
-        del params[key]  # a default meant for checks of another scenario
 
     def int_param(key: str, default: int | None) -> int | None:
         value = params.get(key, default)
@@ -392,23 +397,21 @@ def _parse_check(entry: _Located, defaults: _Located, path: Path) -> Check:
         except KvguardError as exc:
             raise exc.located(path, params.key_lines.get("tokens", line_of("policy"))) from None
 
-    budgets_raw = _merged(defaults, entry, "budgets", path)
-    own_budgets = entry.get("budgets") or {}
-    for key in list(budgets_raw):
-        if key in Budgets.names() and key not in Budgets.names(scenario):
-            if key in own_budgets:
+    applies = Budgets.names(scenario)
+    budgets_raw = _merged(
+        defaults, entry, "budgets", path, lambda key: key in Budgets.names() and key not in applies
+    )
+    for key, value in budgets_raw.items():
+        try:
+            Budgets.from_mapping({key: value})  # one at a time, so an error names its line
+            if key not in applies:
                 raise KvguardError(
                     f"budget {key} does not apply to a {scenario} check",
-                    path=path,
-                    line=budgets_raw.key_lines[key],
-                    fix="use one of " + ", ".join(Budgets.names(scenario)),
+                    fix="use one of " + ", ".join(applies),
                 )
-            del budgets_raw[key]  # a default meant for checks of another scenario
-    try:
-        budgets = Budgets.from_mapping(budgets_raw)
-    except KvguardError as exc:
-        bad = next((k for k in budgets_raw if not _is_budget_value(k, budgets_raw[k])), None)
-        raise exc.located(path, budgets_raw.key_lines.get(bad, line_of("budgets"))) from None
+        except KvguardError as exc:
+            raise exc.located(path, budgets_raw.key_lines[key]) from None
+    budgets = Budgets.from_mapping(budgets_raw)
     if not budgets.declared():
         raise KvguardError(
             "check declares no budgets, so it could never fail",
@@ -418,15 +421,12 @@ def _parse_check(entry: _Located, defaults: _Located, path: Path) -> Check:
         )
     text = str_param("text", DEFAULT_TEXT)
     if text != DEFAULT_TEXT:
-        text_path = (path.parent / Path(text).expanduser()).resolve()
-        if not text_path.is_file():
-            raise KvguardError(
-                f"text file '{text}' not found ({text_path})",
-                path=path,
-                line=params.key_lines["text"],
-                fix=f"give an existing UTF-8 file (relative to this file), or '{DEFAULT_TEXT}'",
-            )
-        text = str(text_path)
+        try:
+            load_text(
+                text, path.parent
+            )  # a missing or non-UTF-8 file fails before any engine loads
+        except KvguardError as exc:
+            raise exc.located(path, params.key_lines["text"]) from None
     expect = text_field("expect", "pass")
     if expect not in EXPECTATIONS:
         raise KvguardError(

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.paths import resolve_under
 
 
 @dataclass(frozen=True)
@@ -133,9 +134,7 @@ def parse_model(value: str, base_dir: Path) -> ModelRef:
     """A bundled short name; a GGUF file or a model folder (relative to ``base_dir``); a hub id."""
     if value in BUNDLED_MODELS:
         return ModelRef(value)
-    path = Path(value).expanduser()
-    if not path.is_absolute():
-        path = base_dir / path
+    path = resolve_under(value, base_dir)
     if path.is_dir():
         return ModelRef(value, path, form="folder")
     if value.endswith(".gguf") or path.exists():

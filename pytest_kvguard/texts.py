@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.paths import resolve_under
 
 DEFAULT_TEXT = "pydoc"
 
@@ -37,9 +38,7 @@ def load_text(spec: str, base_dir: Path) -> Text:
     """``pydoc`` or a UTF-8 text file (relative to ``base_dir``)."""
     if spec == DEFAULT_TEXT:
         return pydoc_topics()
-    path = Path(spec).expanduser()
-    if not path.is_absolute():
-        path = base_dir / path
+    path = resolve_under(spec, base_dir)
     try:
         return Text(spec, path.read_text(encoding="utf-8"))
     except FileNotFoundError:

@@ -278,6 +278,12 @@ BAD_INPUTS = {
         "budgets.yaml:7: tokens 64 <= cap 64: eviction would never start*",
     ),
     "version": ("version: 2\nchecks: []\n", "budgets.yaml:1: unsupported budgets file version 2*"),
+    "missing_text": (
+        "version: 1\nchecks:\n  - name: a\n    engine: fake\n    model: tiny.gguf\n"
+        "    policy: sink\n    params: {cap: 64, tokens: 400, text: nope.txt}\n"
+        "    budgets: {max_kv_entries: 64}\n",
+        "budgets.yaml:7: text file 'nope.txt' not found*",
+    ),
     "control_without_reason": (
         "version: 1\nchecks:\n  - name: a\n    engine: fake\n    model: tiny.gguf\n"
         "    policy: window\n    params: {cap: 64, tokens: 400}\n    budgets: {max_kv_entries: 9}\n"

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from pytest_kvguard.engines import Engine
 from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.paths import resolve_under
 from pytest_kvguard.policies import Policy
 from pytest_kvguard.scenarios.replay_types import Replay, common_prefix
 
@@ -55,10 +56,8 @@ def load_conversation(spec: str, base_dir: Path) -> Conversation:
     if spec == DEFAULT_CHAT:
         raw = resources.files("pytest_kvguard").joinpath("data/tutor_chat.json").read_text("utf-8")
     else:
-        path = Path(spec).expanduser()
-        path = path if path.is_absolute() else base_dir / path
         try:
-            raw = path.read_text(encoding="utf-8")
+            raw = resolve_under(spec, base_dir).read_text(encoding="utf-8")
         except OSError as exc:
             raise KvguardError(
                 f"chat file '{spec}': {exc.strerror}", fix="give a JSON chat file"
