@@ -344,7 +344,7 @@ def _parse_check(entry: _Located, defaults: _Located, path: Path) -> Check:
                 kind,
                 cap=int_param("cap", None),
                 sinks=int_param("sinks", None),
-                positions=str_param("positions", ENGINES[engine].position_modes[0]),
+                positions=str_param("positions", ENGINES[engine].native_positions),
                 evict_step=int_param("evict_step", 1) or 1,
                 checkpoints=int_param("checkpoints", 0) or 0,
                 checkpoint_step=int_param("checkpoint_step", None) or DEFAULT_CHECKPOINT_STEP,

@@ -94,10 +94,6 @@ class ModelRef:
     form: str = "gguf"
     """``gguf`` (a bundled model or a GGUF file), ``folder`` or ``hub``."""
 
-    @property
-    def bundled(self) -> BundledModel | None:
-        return BUNDLED_MODELS.get(self.name) if self.path is None else None
-
     def resolve(self) -> Path:
         """The GGUF file (or folder, or hub id as a path). An environment variable can point a
         bundled name elsewhere."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,16 +18,15 @@ from pytest_kvguard.budgets_file import BudgetsFile, Check, ReplaySpec, load_bud
 from pytest_kvguard.engines import (
     ENGINES,
     EngineOptions,
-    check_policy,
     engine_info,
     installed_version,
 )
 from pytest_kvguard.engines.blas import preload_openblas
 from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.models import parse_model
+from pytest_kvguard.models import ModelRef, parse_model
 from pytest_kvguard.policies import DEFAULT_CHECKPOINT_STEP, make_policy
 from pytest_kvguard.report import build_report, error_row, render_table, write_json
-from pytest_kvguard.runner import CheckOutcome, Runner, run_check
+from pytest_kvguard.runner import CheckOutcome, Judging, Runner, run_check
 from pytest_kvguard.scenarios.edit_replay import DEFAULT_CHAT
 from pytest_kvguard.texts import DEFAULT_TEXT
 
@@ -238,25 +237,22 @@ class KvguardFixture:
 
         ``positions`` defaults to the engine's own handling (llama_cpp reindexed, mlx absolute).
         """
-        node = self._request.node
-        try:
-            positions = positions or engine_info(engine).position_modes[0]
-            candidate = make_policy(
-                policy, cap=cap, sinks=sinks, positions=positions, evict_step=evict_step
-            )
-            base = make_policy(baseline, cap=cap, positions=positions, evict_step=evict_step)
-            for kind in (candidate, base):
-                check_policy(engine, kind)
-            outcome, _ = _runner(node.config).stream_check(
+
+        def run(runner: Runner, judging: Judging) -> CheckOutcome:
+            handling = positions or engine_info(engine).native_positions
+            return runner.stream_check(
+                judging,
                 engine=engine,
-                policy=candidate,
-                baseline=base,
-                **self._common(model, tokens, text),
-            )
-        except KvguardError as exc:
-            pytest.fail(str(exc), pytrace=False)
-        _record(node, outcome)
-        return outcome
+                model=self._model(model),
+                policy=make_policy(
+                    policy, cap=cap, sinks=sinks, positions=handling, evict_step=evict_step
+                ),
+                baseline=make_policy(baseline, cap=cap, positions=handling, evict_step=evict_step),
+                tokens=tokens,
+                text=text,
+            )[0]
+
+        return self._run(run)
 
     def parity(
         self,
@@ -267,15 +263,11 @@ class KvguardFixture:
         model: str = "smollm2-135m",
     ) -> CheckOutcome:
         """Run the ``parity`` scenario: full cache on two engines, the same token ids."""
-        node = self._request.node
-        try:
-            outcome, _ = _runner(node.config).parity_check(
-                engines=engines, **self._common(model, tokens, text)
-            )
-        except KvguardError as exc:
-            pytest.fail(str(exc), pytrace=False)
-        _record(node, outcome)
-        return outcome
+        return self._run(
+            lambda runner, judging: runner.parity_check(
+                judging, engines=engines, model=self._model(model), tokens=tokens, text=text
+            )[0]
+        )
 
     def edit_replay(
         self,
@@ -290,34 +282,32 @@ class KvguardFixture:
         model: str = "gemma3-270m",
     ) -> CheckOutcome:
         """Run the ``edit_replay`` scenario: cache the chat, send the follow-up, count tokens."""
-        node = self._request.node
-        try:
-            kind = make_policy(policy, checkpoints=checkpoints, checkpoint_step=checkpoint_step)
-            check_policy(engine, kind, "edit_replay")
-            common = self._common(model, 0, chat)
-            del common["tokens"], common["text"]
-            outcome, _ = _runner(node.config).replay_check(
+        return self._run(
+            lambda runner, judging: runner.replay_check(
+                judging,
                 engine=engine,
-                policy=kind,
+                model=self._model(model),
+                policy=make_policy(
+                    policy, checkpoints=checkpoints, checkpoint_step=checkpoint_step
+                ),
                 replay=ReplaySpec(chat, followup, message),
-                **common,
-            )
+            )[0]
+        )
+
+    def _model(self, name: str) -> ModelRef:
+        """A model named in a test; relative paths start at the test's folder."""
+        return parse_model(name, self._request.node.path.parent)
+
+    def _run(self, run: Callable[[Runner, Judging], CheckOutcome]) -> CheckOutcome:
+        """Run a scenario for this test under its kv_budget marker, and record the figures."""
+        node = self._request.node
+        judging = Judging(node.name, self.budgets, base_dir=node.path.parent)
+        try:
+            outcome = run(_runner(node.config), judging)
         except KvguardError as exc:
             pytest.fail(str(exc), pytrace=False)
         _record(node, outcome)
         return outcome
-
-    def _common(self, model: str, tokens: int, text: str) -> dict[str, Any]:
-        """Arguments every scenario shares; relative paths start at the test's folder."""
-        node = self._request.node
-        return {
-            "name": node.name,
-            "model": parse_model(model, node.path.parent),
-            "tokens": tokens,
-            "text": text,
-            "budgets": self.budgets,
-            "text_base": node.path.parent,
-        }
 
 
 @pytest.fixture(scope="session")

@@ -15,8 +15,6 @@ POLICY_KINDS = {
     "engine_default": "whatever the engine does when a user asks for `cap` "
     "(mlx-lm make_prompt_cache(model, max_kv_size=cap))",
 }
-UNCAPPED_KINDS = ("full", "swa", "swa_full")
-"""The model, not a cap, decides what these keep."""
 DEFAULT_CHECKPOINT_STEP = 512
 
 POSITION_MODES = {
@@ -49,7 +47,7 @@ class Policy:
     @property
     def bounded(self) -> bool:
         """Whether the policy may evict (or, for engine_default, was asked to)."""
-        return self.kind != "full"
+        return self.kind not in ("full", "swa_full")
 
     def describe(self) -> str:
         """Short label for tables: ``sink4/256 reidx step1``."""

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 from pytest_kvguard.budgets import Budgets
 from pytest_kvguard.budgets_file import Check, ReplaySpec
-from pytest_kvguard.engines import Engine, EngineOptions, load_engine
+from pytest_kvguard.engines import Engine, EngineOptions, check_policy, load_engine
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.models import ModelRef, file_sha256, read_arch
 from pytest_kvguard.policies import Policy, make_policy
@@ -31,15 +31,6 @@ class Say(Protocol):
     """Where progress lines go (the terminal, bypassing capture); detail lines need -v."""
 
     def __call__(self, line: str, detail: bool = False) -> None: ...
-
-
-VERDICTS = {
-    "PASS": "within every budget",
-    "FAIL": "broke a budget",
-    "CAUGHT": "negative control broke a budget, as it must",
-    "MISSED": "negative control stayed within budget: the gate would not catch this regression",
-    "ERROR": "the check could not run",
-}
 
 
 @dataclass(frozen=True)
@@ -80,18 +71,29 @@ class CheckOutcome:
 
     @property
     def verdict(self) -> str:
+        """PASS, FAIL (a budget broken), CAUGHT (an expected violation happened) or MISSED
+        (an expected violation did not: the gate would not catch that regression)."""
         if self.expect_violation:
             return "CAUGHT" if self.violations else "MISSED"
         return "FAIL" if self.violations else "PASS"
-
-    @property
-    def ok(self) -> bool:
-        return self.verdict in ("PASS", "CAUGHT")
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["verdict"] = self.verdict
         return data
+
+
+@dataclass(frozen=True)
+class Judging:
+    """What every check has whatever its scenario: a name, budgets, and an expectation."""
+
+    name: str
+    budgets: Budgets
+    expect_violation: bool = False
+    """A negative control (or an expected finding): it must break a budget."""
+    reason: str | None = None
+    base_dir: Path = field(default_factory=Path.cwd)
+    """Where relative text and chat paths start (the budgets file's or the test's folder)."""
 
 
 class Runner:
@@ -138,6 +140,7 @@ class Runner:
         self, engine_name: str, model: ModelRef, policy: Policy, text: Text, count: int
     ) -> tuple[StreamRun, bool]:
         """The run, and whether it was computed now (False: reused from this session)."""
+        check_policy(engine_name, policy, "stream")  # every entry point: files, fixture, tests
         engine, path = self.engine(engine_name, model)
         key = (engine_name, path, text.sha256, count, policy)
         if key in self._runs:
@@ -156,18 +159,22 @@ class Runner:
 
     def _judge(
         self,
+        judging: Judging,
         *,
         model_engine: str,
         model: ModelRef,
         text: Text,
         metrics: dict[str, float],
-        budgets: Budgets,
         **fields: Any,
     ) -> CheckOutcome:
         """The outcome: the scenario's own fields plus what every check reports and is judged on."""
         _, path = self.engine(model_engine, model)
         is_gguf = path.is_file()
+        budgets = judging.budgets
         return CheckOutcome(
+            name=judging.name,
+            expect_violation=judging.expect_violation,
+            reason=judging.reason,
             model=model.name,
             model_path=str(path),
             model_sha256=file_sha256(path) if is_gguf else "",
@@ -183,37 +190,30 @@ class Runner:
 
     def stream_check(
         self,
+        judging: Judging,
         *,
-        name: str,
         engine: str,
         model: ModelRef,
         policy: Policy,
         baseline: Policy,
         tokens: int,
         text: str,
-        budgets: Budgets,
-        expect_violation: bool = False,
-        reason: str | None = None,
-        text_base: Path | None = None,
     ) -> tuple[CheckOutcome, StreamResult]:
         """Run candidate and baseline on the same token ids and judge the budgets."""
-        loaded_text = load_text(text, text_base or Path.cwd())
+        loaded_text = load_text(text, judging.base_dir)
         base_run, base_new = self.stream_run(engine, model, baseline, loaded_text, tokens)
         cand_run, cand_new = self.stream_run(engine, model, policy, loaded_text, tokens)
         result = compare(cand_run, base_run)
         metrics = result.metrics
         loaded, _ = self.engine(engine, model)
         outcome = self._judge(
-            name=name,
+            judging,
             scenario="stream",
             model_engine=engine,
             model=model,
             text=loaded_text,
             tokens=tokens,
             metrics=metrics,
-            budgets=budgets,
-            expect_violation=expect_violation,
-            reason=reason,
             engine=engine,
             engine_version=loaded.version(),
             policy=policy.describe(),
@@ -233,19 +233,15 @@ class Runner:
 
     def parity_check(
         self,
+        judging: Judging,
         *,
-        name: str,
         engines: tuple[str, str],
         model: ModelRef,
         tokens: int,
         text: str,
-        budgets: Budgets,
-        expect_violation: bool = False,
-        reason: str | None = None,
-        text_base: Path | None = None,
     ) -> tuple[CheckOutcome, ParityResult]:
         """Full-cache runs on two engines over the same token ids; per-token NLL must agree."""
-        loaded_text = load_text(text, text_base or Path.cwd())
+        loaded_text = load_text(text, judging.base_dir)
         full = make_policy("full")
         ref_name, other_name = engines
         ref_run, ref_new = self.stream_run(ref_name, model, full, loaded_text, tokens)
@@ -255,16 +251,13 @@ class Runner:
         ref, _ = self.engine(ref_name, model)
         other, _ = self.engine(other_name, model)
         outcome = self._judge(
-            name=name,
+            judging,
             scenario="parity",
             model_engine=ref_name,
             model=model,
             text=loaded_text,
             tokens=tokens,
             metrics=metrics,
-            budgets=budgets,
-            expect_violation=expect_violation,
-            reason=reason,
             engine=f"{ref_name} vs {other_name}",
             engine_version=f"{ref.version()} / {other.version()}",
             policy=f"full ({other_name})",
@@ -286,20 +279,17 @@ class Runner:
 
     def replay_check(
         self,
+        judging: Judging,
         *,
-        name: str,
         engine: str,
         model: ModelRef,
         policy: Policy,
         replay: ReplaySpec,
-        budgets: Budgets,
-        expect_violation: bool = False,
-        reason: str | None = None,
-        text_base: Path | None = None,
     ) -> tuple[CheckOutcome, ReplayRun]:
         """Cache the chat under the policy, send the follow-up, count reused and re-prefilled."""
+        check_policy(engine, policy, "edit_replay")
         loaded, _ = self.engine(engine, model)
-        conversation = load_conversation(replay.chat, text_base or Path.cwd())
+        conversation = load_conversation(replay.chat, judging.base_dir)
         first_text = loaded.render_chat(history(conversation))
         second_text = loaded.render_chat(followup(conversation, replay.followup, replay.message))
         first_ids, second_ids = loaded.tokenize(first_text), loaded.tokenize(second_text)
@@ -313,16 +303,13 @@ class Runner:
         )
         what = replay.followup + (f" #{replay.message}" if replay.message is not None else "")
         outcome = self._judge(
-            name=name,
+            judging,
             scenario="edit_replay",
             model_engine=engine,
             model=model,
             text=Text(replay.chat, first_text),
             tokens=run.replay.prompt_tokens,
             metrics=metrics,
-            budgets=budgets,
-            expect_violation=expect_violation,
-            reason=reason,
             engine=engine,
             engine_version=loaded.version(),
             policy=policy.describe(),
@@ -347,27 +334,35 @@ class Runner:
 
 def run_check(runner: Runner, check: Check) -> CheckOutcome:
     """Run one declared check from a budgets file."""
-    common: dict[str, Any] = {
-        "name": check.name,
-        "model": check.model,
-        "tokens": check.tokens,
-        "text": check.text,
-        "budgets": check.budgets,
-        "expect_violation": check.expect_violation,
-        "reason": check.reason,
-        "text_base": check.path.parent,
-    }
+    judging = Judging(
+        check.name, check.budgets, check.expect_violation, check.reason, check.path.parent
+    )
     if check.scenario == "parity":
         assert check.other_engine is not None
-        outcome, _ = runner.parity_check(engines=(check.engine, check.other_engine), **common)
+        outcome, _ = runner.parity_check(
+            judging,
+            engines=(check.engine, check.other_engine),
+            model=check.model,
+            tokens=check.tokens,
+            text=check.text,
+        )
     elif check.scenario == "edit_replay":
         assert check.replay is not None
-        del common["tokens"], common["text"]
         outcome, _ = runner.replay_check(
-            engine=check.engine, policy=check.policy, replay=check.replay, **common
+            judging,
+            engine=check.engine,
+            model=check.model,
+            policy=check.policy,
+            replay=check.replay,
         )
     else:
         outcome, _ = runner.stream_check(
-            engine=check.engine, policy=check.policy, baseline=check.baseline, **common
+            judging,
+            engine=check.engine,
+            model=check.model,
+            policy=check.policy,
+            baseline=check.baseline,
+            tokens=check.tokens,
+            text=check.text,
         )
     return outcome

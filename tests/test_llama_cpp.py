@@ -76,13 +76,14 @@ def test_edit_replay_counts_are_repeatable(kvguard_runner: Runner) -> None:
     """Token counts and bytes are exact: the same replay twice gives the same figures."""
     from pytest_kvguard.budgets import Budgets
     from pytest_kvguard.budgets_file import ReplaySpec
+    from pytest_kvguard.runner import Judging
 
     policy = make_policy("swa", checkpoints=3, checkpoint_step=1024)
     spec = ReplaySpec("tutor", "edit", 13)
     runs = [
         kvguard_runner.replay_check(
-            name="repeat", engine="llama_cpp", model=ModelRef("gemma3-270m"), policy=policy,
-            replay=spec, budgets=Budgets(),
+            Judging("repeat", Budgets()), engine="llama_cpp", model=ModelRef("gemma3-270m"),
+            policy=policy, replay=spec,
         )[1]
         for _ in range(2)
     ]  # fmt: skip

@@ -146,6 +146,12 @@ class EngineInfo:
     """Policy kinds the adapter implements, per scenario."""
     position_modes: tuple[str, ...] = ("reindexed", "absolute")
     """Position handling it supports; the first is its own (the default)."""
+
+    @property
+    def native_positions(self) -> str:
+        """What a check gets when it does not say: the engine's own position handling."""
+        return self.position_modes[0]
+
     fixed_evict_step: int | None = None
     """Set when the engine only evicts this many tokens per step."""
     model_forms: tuple[str, ...] = ("gguf",)

@@ -118,16 +118,7 @@ def make_caches(model: Any, policy: Policy) -> list[Any]:
 
 class MlxStream:
     def __init__(self, engine: MlxEngine, policy: Policy) -> None:
-        if policy.bounded and policy.positions != "absolute":
-            raise KvguardError(
-                "mlx-lm caches keep keys at their absolute positions",
-                fix="use positions: absolute with the mlx engine",
-            )
-        if policy.evict_step != 1:
-            raise KvguardError(
-                "mlx-lm's RotatingKVCache evicts one token per decoded token",
-                fix="use evict_step: 1 with the mlx engine",
-            )
+        # Absolute positions and one-token eviction only: engines.check_policy refuses the rest.
         self.model = engine.model
         self.policy = policy
         mx.synchronize()
