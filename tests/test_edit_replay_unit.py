@@ -11,11 +11,11 @@ from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.scenarios.edit_replay import (
     APPENDED_TURN,
     EDIT_SUFFIX,
+    common_prefix,
     followup,
     history,
     load_conversation,
 )
-from pytest_kvguard.scenarios.replay_types import common_prefix
 
 TUTOR = load_conversation("tutor", Path("."))
 

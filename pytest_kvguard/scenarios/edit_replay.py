@@ -19,7 +19,6 @@ from pytest_kvguard.engines import Engine
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.paths import resolve_under
 from pytest_kvguard.policies import Policy
-from pytest_kvguard.scenarios.replay_types import Replay, common_prefix
 
 DEFAULT_CHAT = "tutor"
 FOLLOWUPS = {
@@ -101,6 +100,32 @@ def followup(conversation: Conversation, kind: str, message: int | None) -> list
         last = max(i for i, m in enumerate(messages) if m.role == "assistant")
         return [m.rendered(with_reasoning=i == last) for i, m in enumerate(messages)]
     raise KvguardError(f"unknown follow-up '{kind}'", fix="use one of " + ", ".join(FOLLOWUPS))
+
+
+@dataclass(frozen=True)
+class Replay:
+    """A follow-up prompt served from a cache that held the previous prompt."""
+
+    prompt_tokens: int
+    split: int
+    """Longest common token prefix of the old and new prompt."""
+    reused: int
+    """Tokens the engine kept (llama-server's cache_n)."""
+    reprefilled: int
+    """Tokens decoded again (llama-server's prompt_n)."""
+    restored_checkpoint: int | None
+    """Tokens covered by the checkpoint restored, if one was."""
+    seconds: float
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix: where the edited prompt starts to differ."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 @dataclass(frozen=True)
