@@ -17,15 +17,29 @@ from pytest_kvguard.errors import KvguardError
 
 
 def _limit(
-    scenario: str, metric: str, bound: str, unit: str, short: str, label: str, doc: str
+    scenarios: str | tuple[str, ...],
+    metric: str,
+    bound: str,
+    unit: str,
+    short: str,
+    label: str,
+    doc: str,
 ) -> Any:
+    """A budget field. ``bound`` is max, min, or flag (a boolean: the metric must not exceed 0).
+
+    Units " B" and " B/token" accept sizes such as "6 MiB".
+    """
     return field(
         default=None,
         metadata={
-            "scenario": scenario, "metric": metric, "bound": bound, "unit": unit, "short": short,
-            "label": label, "doc": doc,
+            "scenarios": (scenarios,) if isinstance(scenarios, str) else scenarios,
+            "metric": metric, "bound": bound, "unit": unit, "short": short, "label": label,
+            "doc": doc,
         },
     )  # fmt: skip
+
+
+SIZE_UNITS_OF_BUDGETS = (" B", " B/token")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,13 +66,60 @@ class Budgets:
         "Perplexity over the tokens fed after the first eviction may not exceed this.",
     )
     max_kv_entries: float | None = _limit(
-        "stream",
+        ("stream", "memory"),
         "kv_entries",
         "max",
         " entries",
         "kv",
         "KV entries held at the end",
         "KV entries held per layer at the end of the run (deterministic).",
+    )
+    max_kv_bytes: float | str | None = _limit(
+        ("stream", "memory"),
+        "kv_bytes",
+        "max",
+        " B",
+        "kv bytes",
+        "KV bytes held at the end",
+        "KV cache bytes at the end of the run (memory: at the longest length); bytes or a size "
+        "such as '6 MiB'. llama.cpp: the context's state size; mlx-lm: the caches' buffers.",
+    )
+    max_peak_memory_bytes: float | str | None = _limit(
+        ("stream", "memory"),
+        "peak_memory_bytes",
+        "max",
+        " B",
+        "peak",
+        "peak memory",
+        "Peak memory of the run, weights included; bytes or a size such as '1.5 GiB'. mlx-lm: "
+        "mx.get_peak_memory(); llama.cpp: its own model + KV + compute buffers.",
+    )
+    bounded: bool | None = _limit(
+        ("stream", "memory"),
+        "kv_growth_after_cap_bytes",
+        "flag",
+        " B",
+        "bounded",
+        "KV bytes growth after the cap was reached",
+        "true: KV bytes may not grow once the cap is reached (needs a policy with a cap).",
+    )
+    max_kv_bytes_per_token: float | str | None = _limit(
+        "memory",
+        "kv_bytes_per_token",
+        "max",
+        " B/token",
+        "kv/token",
+        "KV bytes per token at the longest length",
+        "memory: KV bytes / tokens fed at the longest length; bytes or a size such as '24 KiB'.",
+    )
+    max_kv_deviation_pct: float | None = _limit(
+        "memory",
+        "kv_deviation_pct",
+        "max",
+        "%",
+        "kv dev",
+        "largest deviation of measured from predicted KV bytes",
+        "memory: the largest |measured / predicted - 1| over the lengths, in percent.",
     )
 
     max_mean_abs_nll_diff: float | None = _limit(
@@ -121,7 +182,14 @@ class Budgets:
             value = getattr(self, f.name)
             if value is None:
                 continue
-            if isinstance(value, str) and f.metadata["unit"] == " B":
+            if f.metadata["bound"] == "flag":
+                if not isinstance(value, bool):
+                    raise KvguardError(
+                        f"budget {f.name} must be true or false, got {value!r}",
+                        fix=f"write {f.name}: true",
+                    )
+                continue
+            if isinstance(value, str) and f.metadata["unit"] in SIZE_UNITS_OF_BUDGETS:
                 object.__setattr__(self, f.name, parse_size(value, f.name))
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -135,7 +203,9 @@ class Budgets:
     @classmethod
     def names(cls, scenario: str | None = None) -> list[str]:
         """Budget names, or those that apply to one scenario."""
-        return [f.name for f in fields(cls) if scenario in (None, f.metadata["scenario"])]
+        return [
+            f.name for f in fields(cls) if scenario is None or scenario in f.metadata["scenarios"]
+        ]
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any]) -> Budgets:
@@ -146,8 +216,11 @@ class Budgets:
         return cls(**raw)
 
     def declared(self) -> dict[str, float]:
+        """Limits set, by name (``bounded: false`` is no limit at all)."""
         return {
-            f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if getattr(self, f.name) not in (None, False)
         }
 
     def check(self, metrics: Mapping[str, float]) -> list[Violation]:
@@ -155,18 +228,22 @@ class Budgets:
         violations = []
         for f in fields(self):
             limit = getattr(self, f.name)
-            if limit is None:
+            if limit in (None, False):
                 continue
             meta = f.metadata
             if meta["metric"] not in metrics:
                 raise KvguardError(
-                    f"budget {f.name} does not apply to this scenario",
-                    fix="remove it; this scenario measures " + ", ".join(sorted(metrics)),
+                    f"budget {f.name} does not apply to this check",
+                    fix="remove it; this check measures " + ", ".join(sorted(metrics)),
                 )
             measured = metrics[meta["metric"]]
-            broken = measured > limit if meta["bound"] == "max" else measured < limit
+            if meta["bound"] == "flag":
+                limit = 0.0
+            broken = measured < limit if meta["bound"] == "min" else measured > limit
             if broken or math.isnan(measured):
-                violations.append(Violation(f.name, meta["label"], meta["unit"], limit, measured))
+                violations.append(
+                    Violation(f.name, meta["label"], meta["unit"], limit, measured, meta["bound"])
+                )
         return violations
 
     def describe(self) -> str:
@@ -174,10 +251,14 @@ class Budgets:
         parts = []
         for f in fields(self):
             limit = getattr(self, f.name)
-            if limit is not None:
-                op = "<=" if f.metadata["bound"] == "max" else ">="
-                unit = f.metadata["unit"] if f.metadata["unit"] in ("%", " B") else ""
-                parts.append(f"{f.metadata['short']}{op}{_fmt(limit, unit)}")
+            if limit in (None, False):
+                continue
+            if f.metadata["bound"] == "flag":
+                parts.append(f.metadata["short"])
+                continue
+            op = "<=" if f.metadata["bound"] == "max" else ">="
+            unit = f.metadata["unit"] if f.metadata["unit"] in ("%", *SIZE_UNITS_OF_BUDGETS) else ""
+            parts.append(f"{f.metadata['short']}{op}{_fmt(limit, unit)}")
         return ", ".join(parts) or "-"
 
 
@@ -194,9 +275,12 @@ class Violation:
     unit: str
     limit: float
     measured: float
+    bound: str = "max"
 
     @property
     def message(self) -> str:
+        if self.bound == "flag":
+            return f"{self.budget}: {self.label}: {_fmt(self.measured, self.unit)}, must be 0"
         return (
             f"{self.budget}: {self.label} budget {_fmt(self.limit, self.unit)}, "
             f"measured {_fmt(self.measured, self.unit)}"
@@ -204,8 +288,8 @@ class Violation:
 
 
 def _fmt(value: float, unit: str = "") -> str:
-    if unit == " B":
-        return f"{value / 2**20:,.1f} MiB"
+    if unit in SIZE_UNITS_OF_BUDGETS:
+        return format_size(value) + unit[2:]
     text = f"{value:,.0f}" if float(value).is_integer() else f"{value:,.2f}"
     return text + unit
 
@@ -219,6 +303,15 @@ SIZE_UNITS = {
     "MB": 10**6,
     "GB": 10**9,
 }
+
+
+def format_size(n_bytes: float) -> str:
+    """Bytes in the largest binary unit that keeps the number >= 1: ``5.6 MiB``, ``23 KiB``."""
+    for unit in ("GiB", "MiB", "KiB"):
+        scale = SIZE_UNITS[unit]
+        if abs(n_bytes) >= scale:
+            return f"{n_bytes / scale:,.2f} {unit}"
+    return f"{n_bytes:,.0f} B"
 
 
 def parse_size(text: str, name: str) -> float:

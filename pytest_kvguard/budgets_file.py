@@ -41,6 +41,7 @@ from pytest_kvguard.scenarios.edit_replay import (
     followup,
     load_conversation,
 )
+from pytest_kvguard.scenarios.memory import DEFAULT_LENGTHS, check_lengths
 from pytest_kvguard.scenarios.stream import check_reaches_eviction
 from pytest_kvguard.texts import DEFAULT_TEXT, load_text
 
@@ -49,6 +50,7 @@ SCENARIOS = {
     "stream": "feed a long text far past the cache's capacity, score every next token",
     "parity": "full cache on two engines, same token ids: per-token NLL must agree",
     "edit_replay": "a cached chat gets a follow-up: count reused and re-prefilled prompt tokens",
+    "memory": "KV bytes at several context lengths, measured against the predicted figure",
 }
 CHECK_KEYS = [
     "name", "scenario", "engine", "engines", "model", "policy", "baseline", "params", "budgets",
@@ -71,10 +73,16 @@ REPLAY_PARAMS = {
     "checkpoints": "swa: keep at most this many sliding-layer checkpoints (default 0: none)",
     "checkpoint_step": f"swa: tokens between checkpoints (default {DEFAULT_CHECKPOINT_STEP})",
 }
+MEMORY_PARAMS = {
+    "lengths": "context lengths (tokens fed) at which KV bytes are measured and predicted "
+    f"(default {list(DEFAULT_LENGTHS)})",
+    **{key: STREAM_PARAMS[key] for key in ("cap", "sinks", "positions", "evict_step", "text")},
+}
 SCENARIO_PARAMS: dict[str, dict[str, str]] = {
     "stream": STREAM_PARAMS,
     "parity": {key: STREAM_PARAMS[key] for key in ("tokens", "text")},
     "edit_replay": REPLAY_PARAMS,
+    "memory": MEMORY_PARAMS,
 }
 EXPECTATIONS = ("pass", "violation")
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -133,6 +141,8 @@ class Check:
     """Parity only: the engine compared against ``engine``."""
     replay: ReplaySpec | None = None
     """edit_replay only: the chat and its follow-up."""
+    lengths: tuple[int, ...] = ()
+    """memory only: the context lengths measured."""
 
     @property
     def location(self) -> str:
@@ -355,6 +365,7 @@ def _parse_check(entry: _Located, defaults: _Located, path: Path) -> Check:
         except KvguardError as exc:
             raise exc.located(path, line_of(key)) from None
 
+    lengths: tuple[int, ...] = ()
     if scenario == "parity":
         for key in ("policy", "baseline"):
             if key in entry:
@@ -388,6 +399,14 @@ def _parse_check(entry: _Located, defaults: _Located, path: Path) -> Check:
         except KvguardError as exc:
             raise exc.located(path, params.key_lines.get("chat", line_of("policy"))) from None
         replay = ReplaySpec(chat, followup_kind, message)
+    elif scenario == "memory":
+        replay = None
+        policy = baseline = policy_for("policy", None)
+        try:
+            lengths = tuple(check_lengths(params.get("lengths", list(DEFAULT_LENGTHS))))
+        except KvguardError as exc:
+            raise exc.located(path, params.key_lines.get("lengths", entry.line)) from None
+        tokens = lengths[-1]
     else:
         replay = None
         policy = policy_for("policy", None)
@@ -412,6 +431,15 @@ def _parse_check(entry: _Located, defaults: _Located, path: Path) -> Check:
         except KvguardError as exc:
             raise exc.located(path, budgets_raw.key_lines[key]) from None
     budgets = Budgets.from_mapping(budgets_raw)
+    if budgets.bounded and (policy.cap is None or tokens <= policy.cap):
+        raise KvguardError(
+            "bounded needs a policy with a cap and a run that goes past it"
+            if policy.cap is None
+            else f"bounded: the run ({tokens} tokens) never goes past the cap {policy.cap}",
+            path=path,
+            line=budgets_raw.key_lines["bounded"],
+            fix="use window, sink or engine_default with a cap below the tokens fed",
+        )
     if not budgets.declared():
         raise KvguardError(
             "check declares no budgets, so it could never fail",
@@ -458,6 +486,7 @@ def _parse_check(entry: _Located, defaults: _Located, path: Path) -> Check:
         line=entry.line,
         other_engine=engines[1][0] if scenario == "parity" else None,
         replay=replay,
+        lengths=lengths,
     )
 
 

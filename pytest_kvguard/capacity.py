@@ -19,6 +19,7 @@ from tabulate import tabulate
 
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.models import ModelArch, read_arch
+from pytest_kvguard.policies import Policy
 
 DEFAULT_CONTEXTS = (512, 1024, 2048, 4096, 8192)
 
@@ -62,6 +63,9 @@ def arch_from_config(path: Path) -> ModelArch:
 
 
 def load_arch(path: Path) -> ModelArch:
+    """A GGUF file's, a config.json's, or a model folder's (its config.json) architecture."""
+    if path.is_dir():
+        return arch_from_config(path / "config.json")
     if path.suffix == ".json":
         return arch_from_config(path)
     return read_arch(path)
@@ -111,6 +115,50 @@ def predict_kv_bytes(
         held = min(n_tokens, swa_cells(arch, n_ubatch, n_seq))
         return (sliding * held + (arch.n_layers - sliding) * n_tokens) * per_layer
     raise KvguardError(f"no prediction for policy '{policy}'", fix="use full, window, sink, swa")
+
+
+MLX_STEP = 256
+"""mlx-lm's KVCache grows its buffers in steps of this many tokens."""
+
+
+def predict_engine_kv_bytes(
+    engine: str,
+    arch: ModelArch,
+    n_tokens: int,
+    policy: Policy,
+    *,
+    element_bytes: float,
+    n_ubatch: int = 512,
+) -> float:
+    """KV bytes an engine should report after ``n_tokens`` fed as the stream scenario feeds them.
+
+    llama.cpp (the context's state: cells in use): window/sink hold ``min(n, cap)`` cells in
+    every layer; full and swa let an iSWA model's sliding layers hold at most
+    ``pad256(window + n_ubatch)`` cells; swa_full holds everything.
+    mlx-lm (the caches' buffers): ``KVCache`` allocates in steps of 256 tokens;
+    ``RotatingKVCache`` (window, sink, a model's sliding layers) holds ``min(n, max_size)``
+    exactly when filled in chunks that fit. engine_default is predicted as the cap applied, so
+    an engine that ignores the cap shows up as a deviation.
+    """
+    per_layer = layer_bytes(arch, element_bytes)
+    sliding = arch.swa_layers if arch.sliding_window else (False,) * arch.n_layers
+    if policy.cap is not None:  # window, sink, engine_default
+        held = [min(n_tokens, policy.cap)] * arch.n_layers
+    elif engine == "llama_cpp":
+        limit = n_tokens
+        if arch.sliding_window and policy.kind != "swa_full":
+            limit = min(n_tokens, swa_cells(arch, n_ubatch))
+        held = [limit if slides else n_tokens for slides in sliding]
+    elif engine == "mlx":
+        stepped = -(-n_tokens // MLX_STEP) * MLX_STEP
+        window = arch.sliding_window or 0
+        if policy.kind == "swa":
+            held = [min(n_tokens, window) if slides else stepped for slides in sliding]
+        else:
+            held = [stepped] * arch.n_layers
+    else:
+        raise KvguardError(f"no KV prediction for engine '{engine}'")
+    return sum(held) * per_layer
 
 
 def capacity_table(

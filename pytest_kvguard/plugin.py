@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +24,12 @@ from pytest_kvguard.engines import (
 from pytest_kvguard.engines.blas import preload_openblas
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.models import ModelRef, parse_model
+from pytest_kvguard.plot import plot_path, require_matplotlib, write_kv_plot
 from pytest_kvguard.policies import DEFAULT_CHECKPOINT_STEP, make_policy
 from pytest_kvguard.report import build_report, error_row, render_table, write_json
 from pytest_kvguard.runner import CheckOutcome, Judging, Runner, run_check
 from pytest_kvguard.scenarios.edit_replay import DEFAULT_CHAT
+from pytest_kvguard.scenarios.memory import DEFAULT_LENGTHS, check_lengths
 from pytest_kvguard.texts import DEFAULT_TEXT
 
 BUDGETS_KEY = pytest.StashKey[BudgetsFile]()
@@ -55,6 +57,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="Write the JSON report (every figure, engine versions, model sha256, machine) "
         "here. Default: no JSON report (ini: kvguard_json).",
     )
+    group.addoption(
+        "--kvguard-plot",
+        action="store_true",
+        default=False,
+        help="Also write a PNG of KV bytes against tokens fed (measured and predicted, per "
+        "check) next to the JSON report, as NAME.kv-bytes.png. Needs --kvguard-json and "
+        "matplotlib (pytest-kvguard[plot]). Default: off.",
+    )
     parser.addini("kvguard_budgets", "Budgets file to run, as --kvguard (relative to rootdir).")
     parser.addini("kvguard_json", "JSON report path, as --kvguard-json (relative to rootdir).")
 
@@ -77,6 +87,15 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(KvguardReporter(config), "kvguard-reporter")
     if importlib.util.find_spec("mlx") is not None:
         preload_openblas()  # before any test module can import mlx; cheap, imports no engine
+    if config.getoption("kvguard_plot"):
+        if _option_path(config, "kvguard_json", "kvguard_json") is None:
+            raise pytest.UsageError(
+                "--kvguard-plot writes next to the JSON report (fix: add --kvguard-json PATH)"
+            )
+        try:
+            require_matplotlib()
+        except KvguardError as exc:
+            raise pytest.UsageError(str(exc)) from None
     budgets_path = _option_path(config, "kvguard", "kvguard_budgets")
     if budgets_path is None:
         return
@@ -294,6 +313,33 @@ class KvguardFixture:
             )[0]
         )
 
+    def memory(
+        self,
+        *,
+        policy: str = "sink",
+        cap: int | None = 256,
+        sinks: int | None = None,
+        positions: str | None = None,
+        lengths: Sequence[int] = DEFAULT_LENGTHS,
+        text: str = DEFAULT_TEXT,
+        engine: str = "llama_cpp",
+        model: str = "smollm2-135m",
+    ) -> CheckOutcome:
+        """Run the ``memory`` scenario: KV bytes at each length, measured against predicted."""
+
+        def run(runner: Runner, judging: Judging) -> CheckOutcome:
+            handling = positions or engine_info(engine).native_positions
+            return runner.memory_check(
+                judging,
+                engine=engine,
+                model=self._model(model),
+                policy=make_policy(policy, cap=cap, sinks=sinks, positions=handling),
+                lengths=tuple(check_lengths(list(lengths))),
+                text=text,
+            )[0]
+
+        return self._run(run)
+
     def _model(self, name: str) -> ModelRef:
         """A model named in a test; relative paths start at the test's folder."""
         return parse_model(name, self._request.node.path.parent)
@@ -373,6 +419,8 @@ class KvguardReporter:
         self.rows: dict[str, list[dict[str, Any]]] = {}
         self.json_path = _option_path(config, "kvguard_json", "kvguard_json")
         self.json_error: str | None = None
+        self.plot_path: Path | None = None
+        """Where the KV plot went, once written."""
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         rows = [json.loads(str(v)) for name, v in report.user_properties if name == PROPERTY]
@@ -400,8 +448,12 @@ class KvguardReporter:
         )
         try:
             write_json(self.json_path, report)
+            if self.config.getoption("kvguard_plot"):
+                target = plot_path(self.json_path)
+                if write_kv_plot(report["checks"], target):
+                    self.plot_path = target
         except OSError as exc:
-            self.json_error = f"cannot write JSON report {self.json_path}: {exc.strerror}"
+            self.json_error = f"cannot write {exc.filename or self.json_path}: {exc.strerror}"
             session.exitstatus = pytest.ExitCode.INTERNAL_ERROR
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
@@ -418,3 +470,7 @@ class KvguardReporter:
             terminalreporter.write_line(f"kvguard: ERROR {self.json_error}", red=True)
         elif self.json_path is not None:
             terminalreporter.write_line(f"kvguard: JSON report written to {self.json_path}")
+            if self.plot_path is not None:
+                terminalreporter.write_line(f"kvguard: KV plot written to {self.plot_path}")
+            elif self.config.getoption("kvguard_plot"):
+                terminalreporter.write_line("kvguard: no plot (no check sampled KV bytes)")

@@ -13,6 +13,7 @@ from typing import Any
 from tabulate import tabulate
 
 from pytest_kvguard import __version__
+from pytest_kvguard.budgets import format_size
 
 REPORT_SCHEMA = 1
 TABLE_HEADERS = [
@@ -56,6 +57,40 @@ def replay_rows(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
     return out
 
 
+MEMORY_HEADERS = [
+    "check", "engine", "model", "policy", "tokens", "held", "predicted", "measured",
+    "deviation", "peak", "budget", "verdict",
+]  # fmt: skip
+
+
+def memory_rows(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
+    """One line per measured length; the check's name, budget and verdict on its first line."""
+    out = []
+    for row in rows:
+        for i, sample in enumerate(row["samples"]):
+            first = i == 0
+            deviation = f"{sample['deviation_pct']:+.2f}%"
+            if sample["not_applied"]:
+                deviation += " NOT APPLIED"
+            out.append(
+                [
+                    row["name"] if first else "",
+                    f"{row['engine']} {row['engine_version']}" if first else "",
+                    row["model"] if first else "",
+                    row["policy"] if first else "",
+                    str(sample["tokens"]),
+                    str(sample["held"]),
+                    format_size(sample["predicted_bytes"]),
+                    format_size(sample["kv_bytes"]),
+                    deviation,
+                    format_size(sample["peak_memory_bytes"]),
+                    row["budget_text"] if first else "",
+                    row["verdict"] if first else "",
+                ]
+            )
+    return out
+
+
 def table_rows(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
     out = []
     for row in rows:
@@ -81,9 +116,11 @@ def table_rows(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
 
 
 def render_table(rows: Sequence[dict[str, Any]], fmt: str = "simple") -> str:
-    """Quality checks (stream, parity) in one table, edit-replay checks in a second."""
-    replays = [r for r in rows if r.get("scenario") == "edit_replay" and r["verdict"] != "ERROR"]
-    quality = [r for r in rows if r not in replays]
+    """Quality checks (stream, parity), edit-replay checks and memory checks in their own tables."""
+    ran = [r for r in rows if r["verdict"] != "ERROR"]
+    replays = [r for r in ran if r.get("scenario") == "edit_replay"]
+    memory = [r for r in ran if r.get("scenario") == "memory"]
+    quality = [r for r in rows if r not in replays and r not in memory]
     parts = []
     if quality:
         parts.append(
@@ -95,6 +132,12 @@ def render_table(rows: Sequence[dict[str, Any]], fmt: str = "simple") -> str:
         parts.append(
             tabulate(
                 replay_rows(replays), headers=REPLAY_HEADERS, tablefmt=fmt, disable_numparse=True
+            )
+        )
+    if memory:
+        parts.append(
+            tabulate(
+                memory_rows(memory), headers=MEMORY_HEADERS, tablefmt=fmt, disable_numparse=True
             )
         )
     return "\n\n".join(parts)

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 from pytest_kvguard.budgets import Budgets
 from pytest_kvguard.budgets_file import Check, ReplaySpec
+from pytest_kvguard.capacity import load_arch, predict_engine_kv_bytes
 from pytest_kvguard.engines import Engine, EngineOptions, check_policy, load_engine
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.models import ModelRef, file_sha256, read_arch
@@ -22,6 +23,7 @@ from pytest_kvguard.scenarios.edit_replay import (
     load_conversation,
     run_edit_replay,
 )
+from pytest_kvguard.scenarios.memory import MemoryResult, memory_result
 from pytest_kvguard.scenarios.parity import ParityResult, compare_parity
 from pytest_kvguard.scenarios.stream import StreamResult, StreamRun, compare, run_stream
 from pytest_kvguard.texts import Text, load_text
@@ -68,6 +70,8 @@ class CheckOutcome:
     engine_info: dict[str, str] = field(default_factory=dict)
     layer_sizes: list[tuple[int, int]] = field(default_factory=list)
     """(tokens seen, entries held) per layer for the candidate, where the engine exposes it."""
+    samples: list[dict[str, float]] = field(default_factory=list)
+    """KV figures over the run: tokens, held, kv_bytes (memory: predicted_bytes, deviation)."""
 
     @property
     def verdict(self) -> str:
@@ -104,7 +108,7 @@ class Runner:
         self.say: Say = say or (lambda line, detail=False: None)
         self._engines: dict[tuple[str, Path], Engine] = {}
         self._tokens: dict[tuple[Path, str], list[int]] = {}
-        self._runs: dict[tuple[str, Path, str, int, Policy], StreamRun] = {}
+        self._runs: dict[tuple[str, Path, str, int, Policy, tuple[int, ...], bool], StreamRun] = {}
 
     def engine(self, name: str, model: ModelRef) -> tuple[Engine, Path]:
         path = model.resolve()
@@ -137,12 +141,21 @@ class Runner:
         return cached[:count]
 
     def stream_run(
-        self, engine_name: str, model: ModelRef, policy: Policy, text: Text, count: int
+        self,
+        engine_name: str,
+        model: ModelRef,
+        policy: Policy,
+        text: Text,
+        count: int,
+        *,
+        scenario: str = "stream",
+        lengths: tuple[int, ...] = (),
     ) -> tuple[StreamRun, bool]:
         """The run, and whether it was computed now (False: reused from this session)."""
-        check_policy(engine_name, policy, "stream")  # every entry point: files, fixture, tests
+        check_policy(engine_name, policy, scenario)  # every entry point: files, fixture, tests
         engine, path = self.engine(engine_name, model)
-        key = (engine_name, path, text.sha256, count, policy)
+        score = scenario != "memory"  # memory runs need the cache, not the logits
+        key = (engine_name, path, text.sha256, count, policy, lengths, score)
         if key in self._runs:
             return self._runs[key], False
         ids = self.token_ids(engine_name, model, text, count)
@@ -152,7 +165,7 @@ class Runner:
             if done < total:
                 self.say(f"{label}: {done}/{total} tokens", detail=True)
 
-        run = run_stream(engine, policy, ids, progress)
+        run = run_stream(engine, policy, ids, progress, lengths, score)
         self.say(f"{label}: done in {run.seconds:.1f} s ({run.tokens_per_second:.0f} tokens/s)")
         self._runs[key] = run
         return run, True
@@ -165,9 +178,13 @@ class Runner:
         model: ModelRef,
         text: Text,
         metrics: dict[str, float],
+        findings: list[str] | None = None,
         **fields: Any,
     ) -> CheckOutcome:
-        """The outcome: the scenario's own fields plus what every check reports and is judged on."""
+        """The outcome: the scenario's own fields plus what every check reports and is judged on.
+
+        ``findings`` are violations the scenario itself detects, whatever the budgets say.
+        """
         _, path = self.engine(model_engine, model)
         is_gguf = path.is_file()
         budgets = judging.budgets
@@ -184,7 +201,7 @@ class Runner:
             metrics=metrics,
             budgets=budgets.declared(),
             budget_text=budgets.describe(),
-            violations=[v.message for v in budgets.check(metrics)],
+            violations=[*(findings or []), *(v.message for v in budgets.check(metrics))],
             **fields,
         )
 
@@ -228,6 +245,62 @@ class Runner:
             tokens_per_second=cand_run.tokens_per_second,
             engine_info=loaded.describe(),
             layer_sizes=cand_run.layer_sizes,
+            samples=[{"tokens": s.tokens, "held": s.held, **s.figures} for s in cand_run.samples],
+        )
+        return outcome, result
+
+    def memory_check(
+        self,
+        judging: Judging,
+        *,
+        engine: str,
+        model: ModelRef,
+        policy: Policy,
+        lengths: tuple[int, ...],
+        text: str,
+    ) -> tuple[CheckOutcome, MemoryResult]:
+        """One run sampled at each length; measured KV bytes against the engine's prediction."""
+        loaded_text = load_text(text, judging.base_dir)
+        loaded, path = self.engine(engine, model)
+        run, new = self.stream_run(
+            engine, model, policy, loaded_text, lengths[-1], scenario="memory", lengths=lengths
+        )
+        arch = load_arch(path)
+
+        def predict(n_tokens: int) -> float:
+            return predict_engine_kv_bytes(
+                engine, arch, n_tokens, policy, element_bytes=loaded.kv_element_bytes
+            )
+
+        result = memory_result(run, lengths, predict)
+        for row in result.rows:
+            self.say(
+                f"{engine} {model.name} {policy.describe()}: {row.tokens} tokens, "
+                f"KV {row.kv_bytes / 2**20:.2f} MiB measured, "
+                f"{row.predicted_bytes / 2**20:.2f} MiB predicted ({row.deviation_pct:+.2f}%)",
+                detail=True,
+            )
+        outcome = self._judge(
+            judging,
+            scenario="memory",
+            model_engine=engine,
+            model=model,
+            text=loaded_text,
+            tokens=lengths[-1],
+            metrics=result.metrics,
+            findings=result.findings(),
+            engine=engine,
+            engine_version=loaded.version(),
+            policy=policy.describe(),
+            baseline="prediction",
+            base_ppl=None,
+            ppl=None,
+            delta_pct=None,
+            seconds={"run": run.seconds if new else 0.0},
+            tokens_per_second=run.tokens_per_second,
+            engine_info=loaded.describe(),
+            layer_sizes=run.layer_sizes,
+            samples=[row.to_json() for row in result.rows],
         )
         return outcome, result
 
@@ -344,6 +417,15 @@ def run_check(runner: Runner, check: Check) -> CheckOutcome:
             engines=(check.engine, check.other_engine),
             model=check.model,
             tokens=check.tokens,
+            text=check.text,
+        )
+    elif check.scenario == "memory":
+        outcome, _ = runner.memory_check(
+            judging,
+            engine=check.engine,
+            model=check.model,
+            policy=check.policy,
+            lengths=check.lengths,
             text=check.text,
         )
     elif check.scenario == "edit_replay":

@@ -29,6 +29,7 @@ def load(model_path: Path, options: EngineOptions) -> FakeEngine:
 
 class FakeEngine:
     name = "fake"
+    kv_element_bytes = 2.0
 
     def version(self) -> str:
         return "0.0-test"
@@ -64,7 +65,7 @@ class FakeStream:
     def room(self) -> int | None:
         return None if self.policy.cap is None else self.policy.cap - self.held
 
-    def feed(self, token_ids: Sequence[int]) -> np.ndarray:
+    def feed(self, token_ids: Sequence[int], logits: bool = True) -> np.ndarray:
         if os.environ.get("KVGUARD_FAKE_FAIL"):
             raise EngineError("fake decode failed (KVGUARD_FAKE_FAIL is set)")
         cap = self.policy.cap
@@ -73,14 +74,14 @@ class FakeStream:
                 step = self.policy.evict_step
                 del self.positions[self.policy.sinks : self.policy.sinks + step]
                 self._evicted += step
-        logits = np.zeros((len(token_ids), VOCAB), dtype=np.float32)
+        rows = np.zeros((len(token_ids), VOCAB), dtype=np.float32)
         for row, token in enumerate(token_ids):
             self.positions.append(self.fed)
             self.fed += 1
             # Sink held: a little worse than full once anything is gone; sink lost: much worse.
             sharp = (6.0 if not self._evicted else 5.0) if self.positions[0] == 0 else 2.0
-            logits[row, (token + 1) % VOCAB] = sharp
-        return logits
+            rows[row, (token + 1) % VOCAB] = sharp
+        return rows if logits else rows[:0]
 
     def close(self) -> None:
         pass

@@ -38,6 +38,14 @@ def test_bundled_check(kvguard_runner: Runner, check: Check) -> None:
             # Nothing slides out of these caches: the whole common prefix is reused.
             assert m["reused_tokens"] == min(m["split"], m["prompt_tokens"] - 1)
         return
+    if check.scenario == "memory":
+        # One figure per length, every length reached; a cap holds exactly min(n, cap) entries.
+        assert [s["tokens"] for s in outcome.samples] == list(check.lengths)
+        cap = check.policy.cap
+        if check.policy.kind in ("sink", "window"):
+            assert cap is not None
+            assert [s["held"] for s in outcome.samples] == [min(n, cap) for n in check.lengths]
+        return
     if check.scenario == "parity":
         # Both engines scored every one of the same token ids.
         assert outcome.tokens == check.tokens and m["mean_abs_nll_diff"] > 0

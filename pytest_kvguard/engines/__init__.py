@@ -27,8 +27,11 @@ class Stream(Protocol):
         """Tokens that fit before the policy must evict; None when it never evicts."""
         ...
 
-    def feed(self, token_ids: Sequence[int]) -> np.ndarray:
-        """Evict as the policy says, decode the tokens, return their logits (n, vocab) float32."""
+    def feed(self, token_ids: Sequence[int], logits: bool = True) -> np.ndarray:
+        """Evict as the policy says, decode the tokens, return their logits (n, vocab) float32.
+
+        With ``logits=False`` only the cache matters (memory runs): the result may be empty.
+        """
         ...
 
     @property
@@ -77,6 +80,8 @@ class Engine(Protocol):
     """A loaded model in a real inference engine."""
 
     name: str
+    kv_element_bytes: float
+    """Bytes per element of the K and V caches (f16: 2)."""
 
     def version(self) -> str: ...
 
@@ -170,6 +175,7 @@ ENGINES: dict[str, EngineInfo] = {
             '-DGGML_F16C=ON" pip install "pytest-kvguard[llama]"',
             policies={
                 "stream": ("full", "window", "sink"),
+                "memory": ("full", "window", "sink", "swa", "swa_full"),
                 "edit_replay": ("full", "swa", "swa_full"),
             },
         ),
@@ -181,6 +187,7 @@ ENGINES: dict[str, EngineInfo] = {
             'pip install "pytest-kvguard[mlx]"',
             policies={
                 "stream": ("full", "window", "sink", "swa", "engine_default"),
+                "memory": ("full", "window", "sink", "swa", "engine_default"),
                 "edit_replay": ("full", "swa"),
             },
             position_modes=("absolute",),

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import resource
+import sys
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,12 +30,48 @@ SEQ = 0
 """Every stream runs as sequence 0 of its own context."""
 
 _log_tail: deque[str] = deque(maxlen=40)
+_log_capture: list[str] | None = None
+"""While set, every log fragment is appended here too (to read buffer sizes off the log)."""
 
 
 @lc.llama_log_callback  # type: ignore[untyped-decorator]
 def _keep_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
     # llama.cpp is chatty on stderr; keep the tail so an engine error can quote it.
-    _log_tail.append(text.decode("utf-8", "replace"))
+    fragment = text.decode("utf-8", "replace")
+    _log_tail.append(fragment)
+    if _log_capture is not None:
+        _log_capture.append(fragment)
+    if _ECHO_LOG:
+        sys.stderr.write(fragment)
+
+
+_ECHO_LOG = bool(os.environ.get("KVGUARD_LLAMA_LOG"))
+
+
+@contextmanager
+def _captured_log() -> Iterator[list[str]]:
+    """The log llama.cpp writes inside the block, as one list of fragments."""
+    global _log_capture
+    captured: list[str] = []
+    _log_capture = captured
+    try:
+        yield captured
+    finally:
+        _log_capture = None
+
+
+_BUFFER_LINE = re.compile(r"(\S+) (model|KV|compute) buffer size =\s*([\d.]+) MiB")
+
+
+def buffer_mib(log: Sequence[str]) -> dict[str, float]:
+    """llama.cpp's own buffer sizes, in bytes, summed per kind over devices: model, KV, compute.
+
+    llama.cpp prints them to two decimals of a MiB, so each is exact to +-5 KiB.
+    """
+    sizes = {"model": 0.0, "KV": 0.0, "compute": 0.0}
+    for _device, kind, mib in _BUFFER_LINE.findall("".join(log)):
+        sizes[kind] += float(mib) * 2**20
+    return sizes
 
 
 def _log_excerpt() -> str:
@@ -46,8 +85,7 @@ _backend_ready = False
 def _init_backend() -> None:
     global _backend_ready
     if not _backend_ready:
-        if not os.environ.get("KVGUARD_LLAMA_LOG"):
-            lc.llama_log_set(_keep_log, ctypes.c_void_p(0))
+        lc.llama_log_set(_keep_log, ctypes.c_void_p(0))
         lc.llama_backend_init()
         _backend_ready = True
 
@@ -130,12 +168,16 @@ class LlamaCppEngine:
     """One model loaded once; each stream gets its own context (and so its own cache)."""
 
     name = "llama_cpp"
+    kv_element_bytes = 2.0
+    """Contexts are created with llama.cpp's default cache type, f16."""
 
     def __init__(self, model_path: Path, options: EngineOptions) -> None:
         _init_backend()
         params = lc.llama_model_default_params()
         params.n_gpu_layers = options.n_gpu_layers
-        model = lc.llama_model_load_from_file(str(model_path).encode(), params)
+        with _captured_log() as log:
+            model = lc.llama_model_load_from_file(str(model_path).encode(), params)
+        self.model_buffer_bytes = buffer_mib(log)["model"]
         if not model:
             raise EngineError(
                 f"llama.cpp could not load {model_path}: {_log_excerpt()}",
@@ -191,7 +233,10 @@ class _Sequence:
         params.n_threads_batch = engine.options.n_threads
         params.swa_full = swa_full
         params.no_perf = True
-        ctx = lc.llama_init_from_model(engine.model, params)
+        with _captured_log() as log:
+            ctx = lc.llama_init_from_model(engine.model, params)
+        buffers = buffer_mib(log)
+        self.kv_buffer_bytes, self.compute_buffer_bytes = buffers["KV"], buffers["compute"]
         if not ctx:
             raise EngineError(f"llama.cpp could not create a context: {_log_excerpt()}")
         self.engine = engine
@@ -213,6 +258,27 @@ class _Sequence:
         if status != 0:
             raise EngineError(f"llama_decode returned {status}: {_log_excerpt()}")
 
+    def memory_figures(self) -> dict[str, float]:
+        """What the cache holds now and what llama.cpp allocated, in bytes.
+
+        kv_bytes is the whole context's state (one sequence per context): K and V of every cell
+        in use, plus a header of about 15 bytes per cell. ``llama_state_seq_get_size`` would
+        skip sliding-layer cells outside the window that an iSWA cache still holds.
+        """
+        engine = self.engine
+        return {
+            "kv_bytes": float(lc.llama_state_get_size(self.ctx)),
+            "kv_buffer_bytes": self.kv_buffer_bytes,
+            "compute_buffer_bytes": self.compute_buffer_bytes,
+            "peak_memory_bytes": engine.model_buffer_bytes
+            + self.kv_buffer_bytes
+            + self.compute_buffer_bytes,
+            # Process-wide and cumulative: the largest resident set so far in this session.
+            "process_peak_rss_bytes": float(
+                resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            ),
+        }
+
     def close(self) -> None:
         if getattr(self, "batch", None) is not None:
             lc.llama_batch_free(self.batch)
@@ -226,12 +292,17 @@ class LlamaCppStream(_Sequence):
     """A stream under a policy applied by seq_rm (eviction) and seq_add (re-indexing)."""
 
     def __init__(self, engine: LlamaCppEngine, policy: Policy, max_tokens: int) -> None:
-        # A bounded policy never holds more than `cap`.
-        super().__init__(engine, policy.cap if policy.cap is not None else max_tokens)
+        # A capped policy never holds more than `cap`; swa and swa_full leave the sliding
+        # layers to llama.cpp's own cache (iSWA, or full-size with swa_full).
+        super().__init__(
+            engine,
+            policy.cap if policy.cap is not None else max_tokens,
+            swa_full=policy.kind == "swa_full",
+        )
         self.policy = policy
         if (
             policy.positions == "reindexed"
-            and policy.bounded
+            and policy.cap is not None
             and not lc.llama_memory_can_shift(self.memory)
         ):
             self.close()
@@ -284,7 +355,7 @@ class LlamaCppStream(_Sequence):
                 f"{expect_min}..{self._next_pos - 1}: the engine did not evict as asked"
             )
 
-    def feed(self, token_ids: Sequence[int]) -> np.ndarray:
+    def feed(self, token_ids: Sequence[int], logits: bool = True) -> np.ndarray:
         n = len(token_ids)
         if not 0 < n <= self.UBATCH:
             raise ValueError(f"feed 1..{self.UBATCH} tokens at a time, got {n}")
@@ -296,24 +367,19 @@ class LlamaCppStream(_Sequence):
                 )
             while self._held + n > cap:
                 self._evict(self.policy.evict_step)
-        self._decode(token_ids, self._next_pos, all_logits=True)
+        self._decode(token_ids, self._next_pos, all_logits=logits)
         self._next_pos += n
         self._held += n
+        if not logits:
+            return np.empty((0, self.engine.n_vocab), dtype=np.float32)
         logits_ptr = lc.llama_get_logits(self.ctx)
-        logits: np.ndarray[Any, np.dtype[np.float32]] = np.ctypeslib.as_array(
+        rows: np.ndarray[Any, np.dtype[np.float32]] = np.ctypeslib.as_array(
             logits_ptr, shape=(n, self.engine.n_vocab)
         )
-        return logits.copy()
+        return rows.copy()
 
     def figures(self) -> dict[str, float]:
-        return {
-            # The sequence's serialized state: K and V of every cell held, plus a small header.
-            "kv_state_bytes": float(lc.llama_state_seq_get_size(self.ctx, SEQ)),
-            # Process-wide and cumulative: the largest resident set so far in this session.
-            "process_peak_rss_bytes": float(
-                resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-            ),
-        }
+        return self.memory_figures()
 
     def layer_sizes(self) -> list[tuple[int, int]]:
         return []  # llama.cpp holds the same cells in every layer of a non-SWA cache

@@ -71,6 +71,8 @@ class MlxEngine:
             self.facts = {"weights": "mlx_lm.load", "architecture": self.model.model_type}
             self._encode = tokenizer.encode
             self._render = lambda messages: tokenizer.apply_chat_template(messages, tokenize=False)
+        self.kv_element_bytes = float(_float_dtype(self.model).size)
+        """Caches take the activations' dtype: float32 for a dequantized GGUF, else the model's."""
 
     def version(self) -> str:
         return importlib.metadata.version("mlx-lm")
@@ -98,6 +100,15 @@ class MlxEngine:
     def close(self) -> None:
         self.model = None
         mx.clear_cache()
+
+
+def _float_dtype(model: Any) -> Any:
+    from mlx.utils import tree_flatten
+
+    for _, value in tree_flatten(model.parameters()):
+        if mx.issubdtype(value.dtype, mx.floating):
+            return value.dtype
+    return mx.float32
 
 
 def make_caches(model: Any, policy: Policy) -> list[Any]:
@@ -143,10 +154,13 @@ class MlxStream:
             return None
         return min(int(c.max_size - c.size()) for c in rotating)
 
-    def feed(self, token_ids: Sequence[int]) -> np.ndarray:
+    def feed(self, token_ids: Sequence[int], logits: bool = True) -> np.ndarray:
         try:
-            logits = self.model(mx.array(list(token_ids))[None], cache=self.cache)
-            out = np.array(logits[0].astype(mx.float32))
+            rows = self.model(mx.array(list(token_ids))[None], cache=self.cache)
+            if not logits:
+                mx.eval(rows)  # the cache is filled lazily; evaluate without copying out
+                return np.empty((0, rows.shape[-1]), dtype=np.float32)
+            out = np.array(rows[0].astype(mx.float32))
         except (RuntimeError, ValueError) as exc:
             raise EngineError(f"mlx-lm forward pass failed: {exc}") from None
         return out

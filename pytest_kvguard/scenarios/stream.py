@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,6 +23,17 @@ PREFILL_CHUNK = 256
 
 Progress = Callable[[int, int], None]
 """Called as progress(tokens_done, tokens_total)."""
+
+
+@dataclass(frozen=True)
+class StreamSample:
+    """What the cache held after the first ``tokens`` tokens were fed."""
+
+    tokens: int
+    held: int
+    """KV entries held (the largest layer)."""
+    figures: dict[str, float]
+    """The engine's memory figures at that moment (kv_bytes, peak_memory_bytes, ...)."""
 
 
 @dataclass(frozen=True)
@@ -43,10 +54,23 @@ class StreamRun:
     """What the engine measured at the end: cache bytes, peak memory, ..."""
     layer_sizes: list[tuple[int, int]] = field(default_factory=list)
     """(tokens seen, entries held) per layer, where the engine exposes it."""
+    samples: list[StreamSample] = field(default_factory=list)
+    """Figures at the sample points: the cap, any lengths asked for, and the end."""
 
     @property
     def tokens_per_second(self) -> float:
         return self.n_tokens / self.seconds if self.seconds else math.inf
+
+    def sample(self, tokens: int) -> StreamSample:
+        return next(s for s in self.samples if s.tokens == tokens)
+
+    def kv_growth_after_cap(self) -> float | None:
+        """KV bytes gained between reaching the cap and the end; None without a cap or figure."""
+        cap = self.policy.cap
+        if cap is None or cap >= self.n_tokens or "kv_bytes" not in self.engine_figures:
+            return None
+        at_cap = self.sample(cap).figures["kv_bytes"]
+        return max(s.figures["kv_bytes"] for s in self.samples if s.tokens >= cap) - at_cap
 
 
 def check_reaches_eviction(policy: Policy, n_tokens: int) -> None:
@@ -65,13 +89,32 @@ def check_reaches_eviction(policy: Policy, n_tokens: int) -> None:
         )
 
 
+def sample_points(policy: Policy, n_tokens: int, lengths: Collection[int] = ()) -> list[int]:
+    """Where a run records the engine's figures: the cap (if reached), ``lengths``, the end."""
+    points = {n_tokens, *(length for length in lengths if 0 < length <= n_tokens)}
+    if policy.cap is not None and policy.cap < n_tokens:
+        points.add(policy.cap)
+    return sorted(points)
+
+
 def run_stream(
-    engine: Engine, policy: Policy, token_ids: Sequence[int], progress: Progress | None = None
+    engine: Engine,
+    policy: Policy,
+    token_ids: Sequence[int],
+    progress: Progress | None = None,
+    lengths: Collection[int] = (),
+    score: bool = True,
 ) -> StreamRun:
-    """Feed ``token_ids`` through a fresh stream under ``policy`` and score every next token."""
+    """Feed ``token_ids`` through a fresh stream under ``policy`` and score every next token.
+
+    The engine's figures are sampled at ``sample_points``; chunks end exactly on them.
+    ``score=False`` asks the engine for no logits (memory runs): ``nll`` is then empty.
+    """
     n = len(token_ids)
+    points = sample_points(policy, n, lengths)
+    samples: list[StreamSample] = []
     targets = np.asarray(token_ids[1:], dtype=np.int64)
-    nll = np.empty(n - 1, dtype=np.float64)
+    nll = np.empty(n - 1 if score else 0, dtype=np.float64)
     first_eviction: int | None = None
     max_chunk = PREFILL_CHUNK
     if policy.cap is not None:
@@ -84,20 +127,22 @@ def run_stream(
         while done < n:
             room = stream.room()
             chunk = max_chunk if room is None else max(1, min(room, max_chunk))
-            chunk = min(chunk, n - done)
+            chunk = min(chunk, next(p for p in points if p > done) - done)
             evicted_before = stream.evicted
-            logits = stream.feed(token_ids[done : done + chunk])
+            logits = stream.feed(token_ids[done : done + chunk], logits=score)
             if first_eviction is None and stream.evicted > evicted_before:
                 first_eviction = done
             scored = min(chunk, n - 1 - done)  # the last token has nothing left to predict
-            if scored > 0:
+            if score and scored > 0:
                 nll[done : done + scored] = _nll(logits[:scored], targets[done : done + scored])
             done += chunk
+            if done in points:
+                samples.append(StreamSample(done, stream.held, stream.figures()))
             if progress is not None and (done >= next_report or done == n):
                 progress(done, n)
                 next_report = done + max(1, n // 4)
         held, evicted = stream.held, stream.evicted
-        figures, layer_sizes = stream.figures(), stream.layer_sizes()
+        figures, layer_sizes = samples[-1].figures, stream.layer_sizes()
     finally:
         stream.close()
     return StreamRun(
@@ -110,6 +155,7 @@ def run_stream(
         seconds=time.perf_counter() - started,
         engine_figures=figures,
         layer_sizes=layer_sizes,
+        samples=samples,
     )
 
 
@@ -157,7 +203,14 @@ class StreamResult:
             "first_eviction": float(s),
             "post_eviction_tokens": float(len(cand) - s),
             **self.candidate.engine_figures,
+            **growth_metric(self.candidate),
         }
+
+
+def growth_metric(run: StreamRun) -> dict[str, float]:
+    """``kv_growth_after_cap_bytes`` where the run has a cap and a kv_bytes figure."""
+    growth = run.kv_growth_after_cap()
+    return {} if growth is None else {"kv_growth_after_cap_bytes": growth}
 
 
 def compare(candidate: StreamRun, baseline: StreamRun) -> StreamResult:

@@ -1,0 +1,70 @@
+"""PNG plot of KV bytes against tokens fed, one line per check, next to the JSON report.
+
+matplotlib is optional (``pip install "pytest-kvguard[plot]"``); it is imported only here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pytest_kvguard.errors import KvguardError
+
+
+def require_matplotlib() -> None:
+    """Fail before any check runs when a plot is asked for and matplotlib is missing."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise KvguardError(
+            "--kvguard-plot needs matplotlib, which is not installed",
+            fix='pip install "pytest-kvguard[plot]"',
+        )
+
+
+def plot_path(json_path: Path) -> Path:
+    """``kvguard-report.json`` -> ``kvguard-report.kv-bytes.png``."""
+    return json_path.with_name(json_path.stem + ".kv-bytes.png")
+
+
+def write_kv_plot(rows: Sequence[dict[str, Any]], path: Path) -> int:
+    """Measured (solid) and predicted (dashed) KV MiB vs tokens, one panel per engine and model.
+
+    Memory checks give every length; stream checks their samples (the cap and the end).
+    Returns the number of lines drawn; no file is written when there is nothing to draw.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on CI machines
+    import matplotlib.pyplot as plt
+
+    panels: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        if row.get("verdict") != "ERROR" and len(row.get("samples") or []) > 1:
+            panels.setdefault(f"{row['model']} on {row['engine']}", []).append(row)
+    if not panels:
+        return 0
+    fig, axes = plt.subplots(
+        1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False, layout="constrained"
+    )
+    lines = 0
+    for ax, (title, panel_rows) in zip(axes[0], sorted(panels.items()), strict=True):
+        for row in panel_rows:
+            tokens = [s["tokens"] for s in row["samples"]]
+            measured = [s["kv_bytes"] / 2**20 for s in row["samples"]]
+            label = f"{row['policy']} ({row['name']})"
+            (line,) = ax.plot(tokens, measured, marker="o", label=label)
+            lines += 1
+            if "predicted_bytes" in row["samples"][0]:
+                predicted = [s["predicted_bytes"] / 2**20 for s in row["samples"]]
+                ax.plot(tokens, predicted, linestyle="--", color=line.get_color(), alpha=0.6)
+        ax.set_title(title)
+        ax.set_xlabel("tokens fed")
+        ax.set_ylabel("KV MiB (solid: measured, dashed: predicted)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return lines
