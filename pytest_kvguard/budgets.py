@@ -218,9 +218,7 @@ class Budgets:
     def declared(self) -> dict[str, float]:
         """Limits set, by name (``bounded: false`` is no limit at all)."""
         return {
-            f.name: getattr(self, f.name)
-            for f in fields(self)
-            if getattr(self, f.name) not in (None, False)
+            f.name: getattr(self, f.name) for f in fields(self) if not _unset(getattr(self, f.name))
         }
 
     def check(self, metrics: Mapping[str, float]) -> list[Violation]:
@@ -228,7 +226,7 @@ class Budgets:
         violations = []
         for f in fields(self):
             limit = getattr(self, f.name)
-            if limit in (None, False):
+            if _unset(limit):
                 continue
             meta = f.metadata
             if meta["metric"] not in metrics:
@@ -251,7 +249,7 @@ class Budgets:
         parts = []
         for f in fields(self):
             limit = getattr(self, f.name)
-            if limit in (None, False):
+            if _unset(limit):
                 continue
             if f.metadata["bound"] == "flag":
                 parts.append(f.metadata["short"])
@@ -260,6 +258,11 @@ class Budgets:
             unit = f.metadata["unit"] if f.metadata["unit"] in ("%", *SIZE_UNITS_OF_BUDGETS) else ""
             parts.append(f"{f.metadata['short']}{op}{_fmt(limit, unit)}")
         return ", ".join(parts) or "-"
+
+
+def _unset(limit: object) -> bool:
+    """None, or ``bounded: false`` (0 is a real limit, so no ``in (None, False)``)."""
+    return limit is None or limit is False
 
 
 kv_budget = Budgets

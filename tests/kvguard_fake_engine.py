@@ -20,7 +20,14 @@ from pytest_kvguard.errors import EngineError
 from pytest_kvguard.policies import Policy
 
 VOCAB = 32
-INFO = EngineInfo("fake", __name__, __name__, "pytest-kvguard", "it ships with the tests")
+INFO = EngineInfo(
+    "fake",
+    __name__,
+    __name__,
+    "pytest-kvguard",
+    "it ships with the tests",
+    policies={"stream": ("full", "window", "sink"), "memory": ("full", "window", "sink")},
+)
 
 
 def load(model_path: Path, options: EngineOptions) -> FakeEngine:

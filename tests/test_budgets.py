@@ -38,7 +38,7 @@ def test_unset_budgets_are_not_checked() -> None:
 
 
 def test_budget_for_another_scenario_is_refused() -> None:
-    with pytest.raises(KvguardError, match="does not apply to this scenario"):
+    with pytest.raises(KvguardError, match="does not apply to this check"):
         Budgets(max_kv_entries=1).check({"ppl_increase_pct": 1.0})
 
 

@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 from pytest_kvguard.budgets import Budgets
-from pytest_kvguard.budgets_file import CHECK_KEYS, STREAM_PARAMS
+from pytest_kvguard.budgets_file import CHECK_KEYS, SCENARIO_PARAMS, SCENARIOS
 from pytest_kvguard.policies import POLICY_KINDS, POSITION_MODES
 
 ROOT = Path(__file__).parent.parent
@@ -22,7 +22,8 @@ def test_readme_has_exactly_two_setup_commands_and_ci_runs_the_second() -> None:
 
 
 def test_every_key_budget_param_policy_and_option_is_documented() -> None:
-    names = [*CHECK_KEYS, *STREAM_PARAMS, *Budgets.names(), *POLICY_KINDS, *POSITION_MODES]
-    names += ["--kvguard", "--kvguard-json", "kvguard_budgets", "kvguard_json"]
+    params = [name for names in SCENARIO_PARAMS.values() for name in names]
+    names = [*CHECK_KEYS, *params, *SCENARIOS, *Budgets.names(), *POLICY_KINDS, *POSITION_MODES]
+    names += ["--kvguard", "--kvguard-json", "--kvguard-plot", "kvguard_budgets", "kvguard_json"]
     missing = [name for name in names if f"`{name}" not in README]
     assert not missing

@@ -284,6 +284,31 @@ BAD_INPUTS = {
         "    budgets: {max_kv_entries: 64}\n",
         "budgets.yaml:7: text file 'nope.txt' not found*",
     ),
+    "memory_lengths_order": (
+        "version: 1\nchecks:\n  - name: a\n    scenario: memory\n    engine: fake\n"
+        "    model: tiny.gguf\n    policy: sink\n    params: {cap: 64, lengths: [512, 256]}\n"
+        "    budgets: {max_kv_deviation_pct: 1}\n",
+        "budgets.yaml:8: lengths must be distinct and ascending, got [[]512, 256] "
+        "(fix: write lengths: [[]256, 512])",
+    ),
+    "bounded_without_cap": (
+        "version: 1\nchecks:\n  - name: a\n    scenario: memory\n    engine: fake\n"
+        "    model: tiny.gguf\n    policy: full\n    params: {lengths: [64, 128]}\n"
+        "    budgets:\n      bounded: true\n",
+        "budgets.yaml:10: bounded needs a policy with a cap and a run that goes past it*",
+    ),
+    "bounded_not_a_flag": (
+        "version: 1\nchecks:\n  - name: a\n    engine: fake\n    model: tiny.gguf\n"
+        "    policy: sink\n    params: {cap: 64, tokens: 400}\n    budgets:\n"
+        "      bounded: yes please\n",
+        "budgets.yaml:9: budget bounded must be true or false, got 'yes please'*",
+    ),
+    "bad_size": (
+        "version: 1\nchecks:\n  - name: a\n    engine: fake\n    model: tiny.gguf\n"
+        "    policy: sink\n    params: {cap: 64, tokens: 400}\n    budgets:\n"
+        "      max_kv_bytes: 6 MB/s\n",
+        "budgets.yaml:9: budget max_kv_bytes must be a size, got '6 MB/s'*",
+    ),
     "control_without_reason": (
         "version: 1\nchecks:\n  - name: a\n    engine: fake\n    model: tiny.gguf\n"
         "    policy: window\n    params: {cap: 64, tokens: 400}\n    budgets: {max_kv_entries: 9}\n"
@@ -336,3 +361,37 @@ def sys_executable() -> str:
     import sys
 
     return sys.executable
+
+
+def test_plot_is_written_next_to_the_json(gate: pytest.Pytester) -> None:
+    write_budgets(gate)
+    result = gate.runpytest(
+        "--kvguard", "budgets.yaml", "--kvguard-json", "out/r.json", "--kvguard-plot"
+    )
+    result.assert_outcomes(passed=2)
+    png = gate.path / "out" / "r.kv-bytes.png"
+    result.stdout.fnmatch_lines([f"kvguard: KV plot written to {Path('out') / 'r.kv-bytes.png'}"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The stream checks' samples behind the plot: at the cap and at the end.
+    sink = json.loads((gate.path / "out/r.json").read_text())["checks"][0]
+    assert [(s["tokens"], s["held"]) for s in sink["samples"]] == [(64, 64), (400, 64)]
+
+
+def test_plot_without_json_is_a_usage_error(gate: pytest.Pytester) -> None:
+    write_budgets(gate)
+    result = gate.runpytest("--kvguard", "budgets.yaml", "--kvguard-plot")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: --kvguard-plot writes next to the JSON report*"])
+
+
+def test_bounded_budget_on_a_stream_check(gate: pytest.Pytester) -> None:
+    gate.makefile(
+        ".yaml",
+        budgets=CHECKS.format(sink_budget=20).replace(
+            "max_kv_entries: 64}", "max_kv_entries: 64, bounded: true, max_kv_bytes: 4 KiB}"
+        ),
+    )
+    result = gate.runpytest("--kvguard", "budgets.yaml", "-k", "sink", "--kvguard-json", "r.json")
+    result.assert_outcomes(passed=1, deselected=1)
+    metrics = json.loads((gate.path / "r.json").read_text())["checks"][0]["metrics"]
+    assert metrics["kv_growth_after_cap_bytes"] == 0 and metrics["kv_bytes"] == 64 * 64
