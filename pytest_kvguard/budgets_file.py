@@ -17,6 +17,8 @@ Schema (version 1)::
         budgets: {max_ppl_increase_pct: 25, max_post_eviction_ppl: 14}
         expect: pass                 # or "violation": a negative control that must break a budget
         reason: why a violation is expected (required with expect: violation)
+    baseline_tolerances:   # optional; with --kvguard-baseline: how far a figure may regress
+      post_eviction_ppl: 2%          # may rise 2%; a number: by that much; exact: not change
 """
 
 from __future__ import annotations
@@ -24,12 +26,13 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from pytest_kvguard.baseline import Tolerance, parse_tolerance, tolerances
 from pytest_kvguard.budgets import Budgets, unknown_key_error
 from pytest_kvguard.engines import ENGINES, check_policy, check_policy_kind, require_installed
 from pytest_kvguard.errors import KvguardError
@@ -56,6 +59,7 @@ CHECK_KEYS = [
     "name", "scenario", "engine", "engines", "model", "policy", "baseline", "params", "budgets",
     "expect", "reason",
 ]  # fmt: skip
+TOP_KEYS = ["version", "defaults", "checks", "baseline_tolerances"]
 DEFAULT_KEYS = ["scenario", "engine", "engines", "model", "baseline", "params", "budgets"]
 STREAM_PARAMS = {
     "tokens": "token ids fed (default 1500)",
@@ -154,6 +158,8 @@ class BudgetsFile:
     path: Path
     sha256: str
     checks: tuple[Check, ...]
+    baseline_tolerances: dict[str, Tolerance] = field(default_factory=lambda: tolerances({}))
+    """How far each figure may move against --kvguard-baseline (defaults + the file's own)."""
 
 
 def load_budgets_file(path: Path) -> BudgetsFile:
@@ -184,7 +190,9 @@ def load_budgets_file(path: Path) -> BudgetsFile:
             line=1,
             fix="start the file with 'version: 1' and a 'checks:' list",
         )
-    _reject_unknown(document, ["version", "defaults", "checks"], "top-level key", path)
+    _reject_unknown(
+        document, ["version", "defaults", "checks", "baseline_tolerances"], "top-level key", path
+    )
     version = document.get("version")
     if version != SCHEMA_VERSION:
         raise KvguardError(
@@ -224,7 +232,28 @@ def load_budgets_file(path: Path) -> BudgetsFile:
             )
         seen[check.name] = check.line
         parsed.append(check)
-    return BudgetsFile(path, hashlib.sha256(raw_bytes).hexdigest(), tuple(parsed))
+    return BudgetsFile(
+        path,
+        hashlib.sha256(raw_bytes).hexdigest(),
+        tuple(parsed),
+        _baseline_tolerances(document, path),
+    )
+
+
+def _baseline_tolerances(document: _Located, path: Path) -> dict[str, Tolerance]:
+    """The ``baseline_tolerances:`` section: how far each figure may move against a saved run."""
+    key = "baseline_tolerances"
+    section = document.get(key) or _Located()
+    if not isinstance(section, _Located):
+        raise _type_error(key, "a mapping", section, path, document.key_lines[key])
+    declared: dict[str, object] = {}
+    for metric, raw in section.items():
+        try:
+            parse_tolerance(str(metric), raw)
+        except KvguardError as exc:
+            raise exc.located(path, section.key_lines[metric]) from None
+        declared[str(metric)] = raw
+    return tolerances(declared)
 
 
 def _reject_unknown(mapping: _Located, known: list[str], kind: str, path: Path) -> None:

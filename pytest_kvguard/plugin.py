@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from collections.abc import Callable, Generator, Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from pytest_kvguard.baseline import Baseline, load_baseline, regressions, tolerances
 from pytest_kvguard.budgets import Budgets
 from pytest_kvguard.budgets_file import BudgetsFile, Check, ReplaySpec, load_budgets_file
 from pytest_kvguard.engines import (
@@ -26,7 +29,14 @@ from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.models import ModelRef, parse_model
 from pytest_kvguard.plot import plot_path, require_matplotlib, write_kv_plot
 from pytest_kvguard.policies import DEFAULT_CHECKPOINT_STEP, make_policy
-from pytest_kvguard.report import build_report, error_row, render_table, write_json
+from pytest_kvguard.report import (
+    build_report,
+    error_row,
+    machine,
+    render_table,
+    step_summary,
+    write_json,
+)
 from pytest_kvguard.runner import CheckOutcome, Judging, Runner, run_check
 from pytest_kvguard.scenarios.edit_replay import DEFAULT_CHAT
 from pytest_kvguard.scenarios.memory import DEFAULT_LENGTHS, check_lengths
@@ -34,6 +44,7 @@ from pytest_kvguard.texts import DEFAULT_TEXT
 
 BUDGETS_KEY = pytest.StashKey[BudgetsFile]()
 RUNNER_KEY = pytest.StashKey[Runner]()
+BASELINE_KEY = pytest.StashKey[Baseline]()
 EXPECTED_KEY = pytest.StashKey[set[str]]()
 OUTCOMES_KEY = pytest.StashKey[list[CheckOutcome]]()
 PROPERTY = "kvguard"
@@ -65,6 +76,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "check) next to the JSON report, as NAME.kv-bytes.png. Needs --kvguard-json and "
         "matplotlib (pytest-kvguard[plot]). Default: off.",
     )
+    group.addoption(
+        "--kvguard-baseline",
+        metavar="REPORT_JSON",
+        default=None,
+        help="Compare every check with the same-named check in this earlier JSON report; a "
+        "figure that regressed past its tolerance (budgets file 'baseline_tolerances:', over "
+        "built-in defaults) fails the check. Default: no comparison (ini: kvguard_baseline).",
+    )
+    parser.addini("kvguard_baseline", "Baseline JSON report, as --kvguard-baseline.")
     parser.addini("kvguard_budgets", "Budgets file to run, as --kvguard (relative to rootdir).")
     parser.addini("kvguard_json", "JSON report path, as --kvguard-json (relative to rootdir).")
 
@@ -94,6 +114,12 @@ def pytest_configure(config: pytest.Config) -> None:
             )
         try:
             require_matplotlib()
+        except KvguardError as exc:
+            raise pytest.UsageError(str(exc)) from None
+    baseline_path = _option_path(config, "kvguard_baseline", "kvguard_baseline")
+    if baseline_path is not None:
+        try:
+            config.stash[BASELINE_KEY] = load_baseline(baseline_path)
         except KvguardError as exc:
             raise pytest.UsageError(str(exc)) from None
     budgets_path = _option_path(config, "kvguard", "kvguard_budgets")
@@ -143,8 +169,30 @@ def _say_function(config: pytest.Config) -> Any:
     return say
 
 
+def _baseline_warning(config: pytest.Config) -> str | None:
+    """Said loudly: a baseline from another kind of machine is compared all the same."""
+    baseline = config.stash.get(BASELINE_KEY, None)
+    differences = baseline.differences(machine()) if baseline else []
+    if not differences:
+        return None
+    return (
+        "kvguard WARNING: the baseline comes from a different machine ("
+        + "; ".join(differences)
+        + "): figures may move for that reason alone"
+    )
+
+
 def pytest_report_header(config: pytest.Config) -> list[str]:
     lines = []
+    baseline = config.stash.get(BASELINE_KEY, None)
+    if baseline is not None:
+        lines.append(
+            f"kvguard baseline: {baseline.path} ({len(baseline.checks)} checks, "
+            f"saved {baseline.report.get('created', 'at an unknown time')})"
+        )
+        warning = _baseline_warning(config)
+        if warning:
+            lines.append(warning)
     budgets_file = config.stash.get(BUDGETS_KEY, None)
     if budgets_file is not None:
         lines.append(
@@ -204,6 +252,7 @@ class CheckItem(pytest.Item):
         except KvguardError as exc:
             self.user_properties.append((PROPERTY, json.dumps(error_row(check.name, str(exc)))))
             raise KvguardError(str(exc.located(check.path, check.line))) from None
+        outcome = _against_baseline(self.config, outcome)
         _record(self, outcome)
         if outcome.verdict == "FAIL":
             raise CheckFailed(f"{'; '.join(outcome.violations)} [{check.location}]")
@@ -222,9 +271,36 @@ class CheckItem(pytest.Item):
         return self.path, self.check.line - 1, f"kvguard check {self.check.name}"
 
 
+def _against_baseline(config: pytest.Config, outcome: CheckOutcome) -> CheckOutcome:
+    """The outcome with any regression against the baseline's same-named check added."""
+    baseline = config.stash.get(BASELINE_KEY, None)
+    if baseline is None:
+        return outcome
+    then = baseline.checks.get(outcome.name)
+    if then is None:
+        return replace(outcome, baseline_status="not in baseline")
+    if outcome.expect_violation:
+        return replace(outcome, baseline_status="not compared (negative control)")
+    budgets_file = config.stash.get(BUDGETS_KEY, None)
+    rules = budgets_file.baseline_tolerances if budgets_file else tolerances({})
+    found = regressions(then, outcome.to_json(), rules)
+    return replace(
+        outcome,
+        violations=[*outcome.violations, *found],
+        baseline_status="regressed" if found else "within tolerance",
+    )
+
+
 def _record(item: pytest.Item, outcome: CheckOutcome) -> None:
-    """Attach the figures to the item: on its reports (table, JSON, JUnit) and as a section."""
+    """Attach the figures to the item: on its reports (table, JSON, JUnit) and as a section.
+
+    JUnit XML gets the verdict and every figure as ``kvguard.*`` properties, besides the
+    whole row as JSON in the ``kvguard`` property.
+    """
     item.user_properties.append((PROPERTY, json.dumps(outcome.to_json())))
+    item.user_properties.append(("kvguard.verdict", outcome.verdict))
+    for metric, value in sorted(outcome.metrics.items()):
+        item.user_properties.append((f"kvguard.{metric}", f"{value:.6g}"))
     item.stash.setdefault(OUTCOMES_KEY, []).append(outcome)
     figures = "\n".join(f"{k}: {v:.4f}" for k, v in sorted(outcome.metrics.items()))
     item.add_report_section("call", "kvguard", f"{outcome.name} [{outcome.verdict}]\n{figures}")
@@ -352,6 +428,7 @@ class KvguardFixture:
             outcome = run(_runner(node.config), judging)
         except KvguardError as exc:
             pytest.fail(str(exc), pytrace=False)
+        outcome = _against_baseline(node.config, outcome)
         _record(node, outcome)
         return outcome
 
@@ -435,16 +512,21 @@ class KvguardReporter:
         runner = self.config.stash.get(RUNNER_KEY, None)
         if runner is not None:
             runner.close()
+        self._write_step_summary(int(exitstatus))
         if self.json_path is None:
             return
         budgets_file = self.config.stash.get(BUDGETS_KEY, None)
         missing = self.config.stash.get(EXPECTED_KEY, set()) - self.rows.keys()
+        baseline = self.config.stash.get(BASELINE_KEY, None)
         report = build_report(
             self.all_rows(),
             budgets_file=str(budgets_file.path) if budgets_file else None,
             budgets_sha256=budgets_file.sha256 if budgets_file else None,
             missing_checks=sorted(missing),
             exitstatus=int(exitstatus),
+            baseline=None
+            if baseline is None
+            else {"path": str(baseline.path), "differences": baseline.differences(machine())},
         )
         try:
             write_json(self.json_path, report)
@@ -456,8 +538,30 @@ class KvguardReporter:
             self.json_error = f"cannot write {exc.filename or self.json_path}: {exc.strerror}"
             session.exitstatus = pytest.ExitCode.INTERNAL_ERROR
 
+    def _write_step_summary(self, exitstatus: int) -> None:
+        """On GitHub Actions ($GITHUB_STEP_SUMMARY set): the tables as Markdown, appended."""
+        target = os.environ.get("GITHUB_STEP_SUMMARY")
+        rows = self.all_rows()
+        if not target or not rows:
+            return
+        missing = self.config.stash.get(EXPECTED_KEY, set()) - self.rows.keys()
+        text = step_summary(
+            rows,
+            exitstatus=exitstatus,
+            missing=sorted(missing),
+            warning=_baseline_warning(self.config),
+        )
+        try:
+            with open(target, "a", encoding="utf-8") as summary:
+                summary.write(text)
+        except OSError as exc:
+            self.json_error = f"cannot append to $GITHUB_STEP_SUMMARY {target}: {exc.strerror}"
+
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         rows = self.all_rows()
+        warning = _baseline_warning(self.config)
+        if warning:
+            terminalreporter.write_line(warning, yellow=True, bold=True)
         if rows:
             terminalreporter.write_sep("=", "kvguard")
             terminalreporter.write_line(render_table(rows))

@@ -7,6 +7,7 @@ import os
 import platform
 import sys
 from collections.abc import Sequence
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -169,22 +170,54 @@ def build_report(
     budgets_sha256: str | None,
     missing_checks: Sequence[str],
     exitstatus: int,
+    baseline: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The JSON report. ``complete`` is false when a collected check left no figures."""
     complete = not missing_checks and all(r["verdict"] != "ERROR" for r in rows)
-    passed = complete and exitstatus == 0 and all(r["verdict"] in ("PASS", "CAUGHT") for r in rows)
     return {
         "schema": REPORT_SCHEMA,
         "kvguard_version": __version__,
-        "verdict": "pass" if passed else "fail",
+        "verdict": "pass" if passed(rows, exitstatus, missing_checks) else "fail",
         "complete": complete,
         "pytest_exitstatus": exitstatus,
         "missing_checks": list(missing_checks),
         "budgets_file": budgets_file,
         "budgets_sha256": budgets_sha256,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine(),
+        "baseline": baseline,
         "checks": list(rows),
     }
+
+
+def passed(rows: Sequence[dict[str, Any]], exitstatus: int, missing: Sequence[str]) -> bool:
+    """A run passes only when complete, pytest passed, and every check passed or caught."""
+    return not missing and exitstatus == 0 and all(r["verdict"] in ("PASS", "CAUGHT") for r in rows)
+
+
+def step_summary(
+    rows: Sequence[dict[str, Any]],
+    *,
+    exitstatus: int,
+    missing: Sequence[str],
+    warning: str | None = None,
+) -> str:
+    """Markdown for $GITHUB_STEP_SUMMARY: the verdict, the tables, and what went wrong."""
+    verdict = "pass" if passed(rows, exitstatus, missing) else "FAIL"
+    lines = [f"## kvguard: {verdict}", ""]
+    if warning:
+        lines += [f"> **{warning}**", ""]
+    lines += [render_table(rows, fmt="github"), ""]
+    problems = [
+        f"- **{r['name']}** ({r['verdict']}): "
+        + ("; ".join(r.get("violations") or []) or r.get("error", "") or "no violation")
+        for r in rows
+        if r["verdict"] in ("FAIL", "MISSED", "ERROR")
+    ]
+    problems += [f"- **{name}**: collected but never ran (incomplete run)" for name in missing]
+    if problems:
+        lines += ["### Failed checks", "", *problems, ""]
+    return "\n".join(lines) + "\n"
 
 
 def write_json(path: Path, report: dict[str, Any]) -> None:

@@ -72,6 +72,8 @@ class CheckOutcome:
     """(tokens seen, entries held) per layer for the candidate, where the engine exposes it."""
     samples: list[dict[str, float]] = field(default_factory=list)
     """KV figures over the run: tokens, held, kv_bytes (memory: predicted_bytes, deviation)."""
+    baseline_status: str | None = None
+    """With --kvguard-baseline: within tolerance, regressed, not in baseline, not compared."""
 
     @property
     def verdict(self) -> str:

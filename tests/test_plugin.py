@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
+from xml.etree import ElementTree
 
 import kvguard_fake_engine
 import pytest
@@ -170,8 +172,109 @@ def test_lf_reruns_only_the_failed_check(gate: pytest.Pytester) -> None:
 def test_junit_carries_the_figures(gate: pytest.Pytester) -> None:
     write_budgets(gate)
     gate.runpytest("--kvguard", "budgets.yaml", "--junitxml", "junit.xml")
-    xml = (gate.path / "junit.xml").read_text()
-    assert 'name="toy-sink"' in xml and "ppl_increase_pct" in xml
+    case = ElementTree.parse(gate.path / "junit.xml").find(".//testcase[@name='toy-sink']")
+    assert case is not None
+    properties = {p.get("name"): p.get("value") for p in case.iter("property")}
+    assert properties["kvguard.verdict"] == "PASS"
+    assert properties["kvguard.kv_entries"] == "64"
+    assert float(properties["kvguard.ppl_increase_pct"]) > 0
+    assert json.loads(properties["kvguard"])["name"] == "toy-sink"
+
+
+def test_step_summary_is_markdown_on_github_actions(
+    gate: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    summary = gate.path / "summary.md"
+    summary.write_text("earlier step\n")
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
+    write_budgets(gate, sink_budget=0)
+    gate.runpytest("--kvguard", "budgets.yaml")
+    text = summary.read_text()
+    assert text.startswith("earlier step\n## kvguard: FAIL\n")  # appended, never overwritten
+    assert "| check " in text and "| toy-window " in text and "CAUGHT" in text
+    assert "- **toy-sink** (FAIL): max_ppl_increase_pct: " in text
+
+
+BASELINE_CHECKS = (
+    CHECKS
+    + """baseline_tolerances:
+  post_eviction_ppl: 2%
+"""
+)
+
+
+def _save_baseline(gate: pytest.Pytester) -> dict[str, Any]:
+    gate.makefile(".yaml", budgets=BASELINE_CHECKS.format(sink_budget=20))
+    gate.runpytest("--kvguard", "budgets.yaml", "--kvguard-json", "base.json")
+    report: dict[str, Any] = json.loads((gate.path / "base.json").read_text())
+    return report
+
+
+def test_same_run_against_its_own_baseline_passes(gate: pytest.Pytester) -> None:
+    _save_baseline(gate)
+    result = gate.runpytest(
+        "--kvguard", "budgets.yaml", "--kvguard-baseline", "base.json", "--kvguard-json", "r.json"
+    )
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["kvguard baseline: base.json (2 checks, saved *)"])
+    result.stdout.no_fnmatch_line("*WARNING*")
+    statuses = {c["name"]: c["baseline_status"] for c in json.loads(
+        (gate.path / "r.json").read_text())["checks"]}  # fmt: skip
+    assert statuses == {
+        "toy-sink": "within tolerance",
+        "toy-window": "not compared (negative control)",
+    }
+
+
+def test_baseline_better_than_reality_fails_naming_figure_values_and_upgrades(
+    gate: pytest.Pytester,
+) -> None:
+    report = _save_baseline(gate)
+    sink = next(c for c in report["checks"] if c["name"] == "toy-sink")
+    real = sink["metrics"]["post_eviction_ppl"]
+    sink["metrics"]["post_eviction_ppl"] = real / 1.05  # the baseline claims 5% better
+    sink["engine_version"] = "0.0-old"
+    sink["model_sha256"] = "0" * 64
+    (gate.path / "base.json").write_text(json.dumps(report))
+    result = gate.runpytest("--kvguard", "budgets.yaml", "--kvguard-baseline", "base.json")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            f"regressed against baseline: post_eviction_ppl {real / 1.05:,.4g} -> {real:,.4g} "
+            "(+5.00%), tolerance +2% [[]since baseline: fake 0.0-old -> 0.0-test; "
+            "model tiny.gguf sha256 000000000000 -> *] [[]budgets.yaml:7]"
+        ]
+    )
+
+
+def test_baseline_from_another_machine_is_compared_but_said_loudly(gate: pytest.Pytester) -> None:
+    report = _save_baseline(gate)
+    report["machine"]["cpu"] = "Apple M3 Max"
+    (gate.path / "base.json").write_text(json.dumps(report))
+    result = gate.runpytest("--kvguard", "budgets.yaml", "--kvguard-baseline", "base.json")
+    result.assert_outcomes(passed=2)
+    warning = "kvguard WARNING: the baseline comes from a different machine (cpu Apple M3 Max -> *"
+    result.stdout.fnmatch_lines([warning, "*", warning])  # in the header and at the end
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("{not json", "base.json:1: baseline is not JSON*"),
+        ('{"schema": 1, "complete": false, "missing_checks": ["x"], "checks": []}',
+         "baseline base.json comes from an incomplete run (missing: x)*"),
+        ('{"schema": 99}', "base.json is not a kvguard report of schema 1*"),
+    ],
+    ids=["not_json", "incomplete", "schema"],
+)  # fmt: skip
+def test_unusable_baseline_is_a_usage_error(
+    gate: pytest.Pytester, content: str, message: str
+) -> None:
+    write_budgets(gate)
+    (gate.path / "base.json").write_text(content)
+    result = gate.runpytest("--kvguard", "budgets.yaml", "--kvguard-baseline", "base.json")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"ERROR: {message}"])
 
 
 def test_report_header_names_budgets_engine_and_model(gate: pytest.Pytester) -> None:
@@ -308,6 +411,15 @@ BAD_INPUTS = {
         "    policy: sink\n    params: {cap: 64, tokens: 400}\n    budgets:\n"
         "      max_kv_bytes: 6 MB/s\n",
         "budgets.yaml:9: budget max_kv_bytes must be a size, got '6 MB/s'*",
+    ),
+    "bad_tolerance": (
+        CHECKS.format(sink_budget=20) + "baseline_tolerances:\n  post_eviction_ppl: lots\n",
+        "budgets.yaml:17: baseline tolerance for post_eviction_ppl must be a percentage*",
+    ),
+    "unknown_tolerance": (
+        CHECKS.format(sink_budget=20) + "baseline_tolerances:\n  post_eviction_pp: 2%\n",
+        "budgets.yaml:17: unknown baseline figure 'post_eviction_pp' (fix: did you mean "
+        "'post_eviction_ppl'?*",
     ),
     "control_without_reason": (
         "version: 1\nchecks:\n  - name: a\n    engine: fake\n    model: tiny.gguf\n"

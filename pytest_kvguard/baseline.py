@@ -1,0 +1,192 @@
+"""Baselines: compare a run with an earlier run's JSON report, figure by figure, with tolerances.
+
+A baseline is a JSON report written by ``--kvguard-json``. Tolerances come from the budgets
+file's ``baseline_tolerances:`` (metric -> ``"2%"``, a number, or ``exact``) over the defaults.
+A figure that moved the wrong way by more than its tolerance is a regression; the message names
+the figure, both values, the tolerance and what was upgraded between the two runs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pytest_kvguard.budgets import unknown_key_error
+from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.report import REPORT_SCHEMA
+
+HIGHER_IS_BETTER = frozenset({"reused_tokens"})
+"""Figures that regress by falling; every other compared figure regresses by rising."""
+
+COMPARABLE_METRICS = frozenset(
+    {
+        # stream
+        "post_eviction_ppl", "ppl_increase_pct", "kv_entries", "kv_bytes", "peak_memory_bytes",
+        "kv_growth_after_cap_bytes",
+        # parity
+        "mean_abs_nll_diff", "ppl_diff_pct",
+        # edit_replay
+        "reprefill_tokens", "reused_tokens", "memory_bytes",
+        # memory
+        "kv_deviation_pct", "kv_bytes_per_token",
+    }
+)  # fmt: skip
+
+DEFAULT_TOLERANCES = {
+    "post_eviction_ppl": "2%",
+    "mean_abs_nll_diff": "20%",
+    "reprefill_tokens": "0",
+    "reused_tokens": "0",
+    "kv_entries": "exact",
+    "kv_bytes": "exact",
+    "memory_bytes": "exact",
+}
+"""Used for a figure the budgets file's ``baseline_tolerances:`` do not mention."""
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """How far a figure may move the wrong way: by ``amount`` percent, by ``amount``, or not at
+    all in either direction (exact)."""
+
+    metric: str
+    kind: str
+    """pct, abs or exact."""
+    amount: float = 0.0
+
+    def describe(self) -> str:
+        if self.kind == "exact":
+            return "exact"
+        unit = "%" if self.kind == "pct" else ""
+        sign = "-" if self.metric in HIGHER_IS_BETTER else "+"
+        return f"{sign}{self.amount:g}{unit}"
+
+    def allows(self, old: float, new: float) -> bool:
+        if self.kind == "exact":
+            return new == old
+        worse = old - new if self.metric in HIGHER_IS_BETTER else new - old
+        if self.kind == "abs":
+            return worse <= self.amount
+        return worse <= abs(old) * self.amount / 100.0
+
+
+def parse_tolerance(metric: str, raw: object) -> Tolerance:
+    """``"2%"`` -> 2 percent, ``0`` or ``"5"`` -> absolute, ``exact`` -> equal."""
+    if metric not in COMPARABLE_METRICS:
+        raise unknown_key_error("baseline figure", metric, sorted(COMPARABLE_METRICS))
+    text = str(raw).strip()
+    if text == "exact":
+        return Tolerance(metric, "exact")
+    kind = "pct" if text.endswith("%") else "abs"
+    try:
+        amount = float(text.rstrip("%"))
+    except ValueError:
+        amount = math.nan
+    if isinstance(raw, bool) or math.isnan(amount) or amount < 0:
+        raise KvguardError(
+            f"baseline tolerance for {metric} must be a percentage, a number >= 0 or exact, "
+            f"got {raw!r}",
+            fix=f"write e.g. {metric}: 2%",
+        )
+    return Tolerance(metric, kind, amount)
+
+
+def tolerances(declared: Mapping[str, object]) -> dict[str, Tolerance]:
+    """The defaults, overridden metric by metric by the budgets file's own tolerances."""
+    merged: dict[str, object] = {**DEFAULT_TOLERANCES, **declared}
+    return {metric: parse_tolerance(metric, raw) for metric, raw in merged.items()}
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """An earlier run's JSON report."""
+
+    path: Path
+    report: dict[str, Any]
+
+    @property
+    def checks(self) -> dict[str, dict[str, Any]]:
+        return {row["name"]: row for row in self.report["checks"] if row["verdict"] != "ERROR"}
+
+    def differences(self, machine: Mapping[str, Any]) -> list[str]:
+        """What makes figures incomparable beyond an upgrade: machine class, CPU, Python."""
+        then = self.report.get("machine", {})
+        return [
+            f"{key} {then.get(key)} -> {machine.get(key)}"
+            for key in ("machine", "cpu", "cpu_count", "python")
+            if then.get(key) != machine.get(key)
+        ]
+
+
+def load_baseline(path: Path) -> Baseline:
+    """Read a JSON report to compare against; refuse one that is not a complete kvguard report."""
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise KvguardError(
+            f"cannot read baseline {path}: {exc.strerror}",
+            fix="pass a JSON report written by --kvguard-json",
+        ) from None
+    except json.JSONDecodeError as exc:
+        raise KvguardError(
+            f"{path}:{exc.lineno}: baseline is not JSON ({exc.msg})",
+            fix="pass a JSON report written by --kvguard-json",
+        ) from None
+    if not isinstance(report, dict) or report.get("schema") != REPORT_SCHEMA:
+        raise KvguardError(
+            f"{path} is not a kvguard report of schema {REPORT_SCHEMA}",
+            fix="save a new baseline with --kvguard-json",
+        )
+    if not report.get("complete"):
+        raise KvguardError(
+            f"baseline {path} comes from an incomplete run (missing: "
+            f"{', '.join(report.get('missing_checks') or []) or 'checks that errored'})",
+            fix="save the baseline from a complete run",
+        )
+    return Baseline(path, report)
+
+
+def upgrades(then: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+    """What changed between the two runs of one check: engine, model file, text, budgets."""
+    changes = []
+    if then.get("engine_version") != now.get("engine_version"):
+        changes.append(f"{now['engine']} {then.get('engine_version')} -> {now['engine_version']}")
+    if then.get("model_sha256") != now.get("model_sha256"):
+        old, new = then.get("model_sha256") or "?", now.get("model_sha256") or "?"
+        changes.append(f"model {now['model']} sha256 {old[:12]} -> {new[:12]}")
+    if then.get("text_sha256") != now.get("text_sha256"):
+        changes.append(f"text {now['text']} changed")
+    then_info, now_info = then.get("engine_info", {}), now.get("engine_info", {})
+    build_keys = sorted(k for k in {*then_info, *now_info} if then_info.get(k) != now_info.get(k))
+    if build_keys and then.get("engine_version") == now.get("engine_version"):
+        changes.append("engine build changed (" + ", ".join(build_keys) + ")")
+    return changes
+
+
+def regressions(
+    then: Mapping[str, Any], now: Mapping[str, Any], rules: Mapping[str, Tolerance]
+) -> list[str]:
+    """One message per figure that moved the wrong way past its tolerance."""
+    found = []
+    old_metrics, new_metrics = then.get("metrics", {}), now.get("metrics", {})
+    for metric, rule in sorted(rules.items()):
+        if metric not in old_metrics or metric not in new_metrics:
+            continue
+        old, new = float(old_metrics[metric]), float(new_metrics[metric])
+        if rule.allows(old, new):
+            continue
+        change = f"{(new / old - 1) * 100:+.2f}%" if old else f"{new - old:+g}"
+        found.append(f"{metric} {_fmt(old)} -> {_fmt(new)} ({change}), tolerance {rule.describe()}")
+    if not found:
+        return []
+    what = upgrades(then, now)
+    since = "; ".join(what) if what else "no engine, model or text change"
+    return [f"regressed against baseline: {', '.join(found)} [since baseline: {since}]"]
+
+
+def _fmt(value: float) -> str:
+    return f"{value:,.0f}" if value.is_integer() else f"{value:,.4g}"
