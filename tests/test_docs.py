@@ -5,8 +5,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from test_workflows import ACTION, _load
+
+from pytest_kvguard.baseline import COMPARABLE_METRICS
 from pytest_kvguard.budgets import Budgets
-from pytest_kvguard.budgets_file import CHECK_KEYS, SCENARIO_PARAMS, SCENARIOS
+from pytest_kvguard.budgets_file import CHECK_KEYS, SCENARIO_PARAMS, SCENARIOS, TOP_KEYS
 from pytest_kvguard.policies import POLICY_KINDS, POSITION_MODES
 
 ROOT = Path(__file__).parent.parent
@@ -24,6 +27,8 @@ def test_readme_has_exactly_two_setup_commands_and_ci_runs_the_second() -> None:
 def test_every_key_budget_param_policy_and_option_is_documented() -> None:
     params = [name for names in SCENARIO_PARAMS.values() for name in names]
     names = [*CHECK_KEYS, *params, *SCENARIOS, *Budgets.names(), *POLICY_KINDS, *POSITION_MODES]
-    names += ["--kvguard", "--kvguard-json", "--kvguard-plot", "kvguard_budgets", "kvguard_json"]
+    names += ["--kvguard", "--kvguard-json", "--kvguard-plot", "--kvguard-baseline"]
+    names += ["kvguard_budgets", "kvguard_json", "kvguard_baseline", *TOP_KEYS]
+    names += [*COMPARABLE_METRICS, *_load(ACTION)["inputs"]]
     missing = [name for name in names if f"`{name}" not in README]
     assert not missing

@@ -1,0 +1,74 @@
+"""The GitHub Actions files: valid against GitHub's schemas, and wired the way the README says."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).parent.parent
+WORKFLOWS = sorted((ROOT / ".github" / "workflows").glob("*.yml"))
+ACTION = ROOT / ".github" / "actions" / "kvguard" / "action.yml"
+
+
+def _check_jsonschema() -> str:
+    found = shutil.which("check-jsonschema", path=str(Path(sys.executable).parent))
+    assert found, 'check-jsonschema is missing: pip install -e ".[test]"'
+    return found
+
+
+@pytest.mark.parametrize(
+    ("schema", "path"),
+    [*(("vendor.github-workflows", w) for w in WORKFLOWS), ("vendor.github-actions", ACTION)],
+    ids=lambda v: v.name if isinstance(v, Path) else v,
+)
+def test_schema_valid(schema: str, path: Path) -> None:
+    # check-jsonschema vendors GitHub's schemas: no network needed.
+    result = subprocess.run(
+        [_check_jsonschema(), "--builtin-schema", schema, str(path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _load(path: Path) -> dict[str, Any]:
+    data: dict[str, Any] = yaml.safe_load(path.read_text())
+    return data
+
+
+def test_jobs_pick_runners_by_label_and_use_the_action_with_known_inputs() -> None:
+    jobs = _load(ROOT / ".github" / "workflows" / "kvguard.yml")["jobs"]
+    inputs = _load(ACTION)["inputs"]
+    assert jobs["linux-cpu"]["runs-on"] == "ubuntu-latest"
+    assert jobs["macos-metal"]["runs-on"] == ["self-hosted", "macOS", "ARM64"]
+    assert jobs["gpu-cuda"]["runs-on"] == ["self-hosted", "linux", "gpu"]
+    build_flags = {}
+    for name, job in jobs.items():
+        gate = [s for s in job["steps"] if s.get("uses") == "./.github/actions/kvguard"]
+        assert len(gate) == 1, f"{name} runs the gate through the composite action"
+        assert set(gate[0].get("with", {})) <= set(inputs), f"{name} passes an unknown input"
+        build_flags[name] = (
+            gate[0].get("with", {}).get("cmake-args", inputs["cmake-args"]["default"])
+        )
+    assert "-DGGML_METAL=on" in build_flags["macos-metal"]
+    assert "-DGGML_CUDA=on" in build_flags["gpu-cuda"]
+    assert "-DGGML_NATIVE=OFF" in build_flags["linux-cpu"]  # the flags DOMAIN.md needs on x86-64
+    # The hosted job runs the test suite exactly as CI does here.
+    assert any(s.get("run") == "bash .ci/run" for s in jobs["linux-cpu"]["steps"])
+
+
+def test_action_uploads_the_report_and_caches_per_build_flags() -> None:
+    steps = _load(ACTION)["runs"]["steps"]
+    upload = next(s for s in steps if s.get("uses", "").startswith("actions/upload-artifact"))
+    assert upload["if"] == "always()" and "${{ inputs.report }}" in upload["with"]["path"]
+    cache = next(s for s in steps if s.get("uses", "").startswith("actions/cache"))
+    assert "inputs.cmake-args" in cache["with"]["key"]
+    gate = next(s for s in steps if s.get("name") == "Run the gate")
+    assert "--kvguard-json" in gate["run"] and "--junitxml" in gate["run"]
