@@ -47,17 +47,17 @@ class Budgets:
     """Limits a check's result must stay within. Unset (None) limits are not checked."""
 
     max_ppl_increase_pct: float | None = _limit(
-        "stream",
+        ("stream", "sweep"),
         "ppl_increase_pct",
         "max",
         "%",
         "ppl+",
         "post-eviction perplexity increase over baseline",
         "Post-eviction perplexity may exceed the baseline policy's on the same tokens by at most "
-        "this many percent.",
+        "this many percent (sweep: at the largest sink count).",
     )
     max_post_eviction_ppl: float | None = _limit(
-        "stream",
+        ("stream", "sweep"),
         "post_eviction_ppl",
         "max",
         "",
@@ -66,7 +66,7 @@ class Budgets:
         "Perplexity over the tokens fed after the first eviction may not exceed this.",
     )
     max_kv_entries: float | None = _limit(
-        ("stream", "memory"),
+        ("stream", "memory", "recall"),
         "kv_entries",
         "max",
         " entries",
@@ -100,7 +100,7 @@ class Budgets:
         "flag",
         " B",
         "bounded",
-        "KV bytes growth after the cap was reached",
+        "KV bytes grew after the cap was reached",
         "true: KV bytes may not grow once the cap is reached (needs a policy with a cap).",
     )
     max_kv_bytes_per_token: float | str | None = _limit(
@@ -122,6 +122,45 @@ class Budgets:
         "memory: the largest |measured / predicted - 1| over the lengths, in percent.",
     )
 
+    min_sink_gain_pct: float | None = _limit(
+        "sweep",
+        "sink_gain_pct",
+        "min",
+        "%",
+        "sink gain",
+        "perplexity saved by sinks (no sinks vs the best sink count)",
+        "sweep: post-eviction perplexity with 0 sinks over the best with sinks, minus 1, in %; "
+        "an engine that ignores its sinks shows ~0.",
+    )
+    max_position_gap_pct: float | None = _limit(
+        "sweep",
+        "position_gap_pct",
+        "max",
+        "%",
+        "pos gap",
+        "largest perplexity gap between re-indexed and absolute positions",
+        "sweep with positions [reindexed, absolute]: the largest |ppl ratio - 1| at one sink "
+        "count, in %; a large gap pins a failure on position handling, not eviction.",
+    )
+    must_recall: bool | None = _limit(
+        "recall",
+        "forgot",
+        "flag",
+        "",
+        "must recall",
+        "the fact was not recalled",
+        "recall: true = the answer must be the model's top choice at every token.",
+    )
+    must_forget: bool | None = _limit(
+        "recall",
+        "recalled",
+        "flag",
+        "",
+        "must forget",
+        "the fact was still recalled",
+        "recall: true = the answer must not be recalled (the policy must really have evicted "
+        "the fact). Set neither to allow both: recorded, not gated.",
+    )
     max_mean_abs_nll_diff: float | None = _limit(
         "parity",
         "mean_abs_nll_diff",
@@ -283,7 +322,8 @@ class Violation:
     @property
     def message(self) -> str:
         if self.bound == "flag":
-            return f"{self.budget}: {self.label}: {_fmt(self.measured, self.unit)}, must be 0"
+            amount = f" (by {_fmt(self.measured, self.unit)})" if self.unit else ""
+            return f"{self.budget}: {self.label}{amount}"
         return (
             f"{self.budget}: {self.label} budget {_fmt(self.limit, self.unit)}, "
             f"measured {_fmt(self.measured, self.unit)}"

@@ -45,7 +45,15 @@ from pytest_kvguard.scenarios.edit_replay import (
     load_conversation,
 )
 from pytest_kvguard.scenarios.memory import DEFAULT_LENGTHS, check_lengths
+from pytest_kvguard.scenarios.recall import (
+    DEFAULT_ANSWER,
+    DEFAULT_FACT,
+    DEFAULT_FILLER_TOKENS,
+    DEFAULT_QUESTION,
+)
 from pytest_kvguard.scenarios.stream import check_reaches_eviction
+from pytest_kvguard.scenarios.sweep import DEFAULT_SINKS as DEFAULT_SWEEP
+from pytest_kvguard.scenarios.sweep import check_sinks, sweep_policy
 from pytest_kvguard.texts import DEFAULT_TEXT, load_text
 
 SCHEMA_VERSION = 1
@@ -54,6 +62,8 @@ SCENARIOS = {
     "parity": "full cache on two engines, same token ids: per-token NLL must agree",
     "edit_replay": "a cached chat gets a follow-up: count reused and re-prefilled prompt tokens",
     "memory": "KV bytes at several context lengths, measured against the predicted figure",
+    "sweep": "one cap, 0/1/2/4/8 sinks, re-indexed and absolute positions side by side",
+    "recall": "a fact before the window, asked about after a long filler: recalled or lost",
 }
 CHECK_KEYS = [
     "name", "scenario", "engine", "engines", "model", "policy", "baseline", "params", "budgets",
@@ -82,11 +92,29 @@ MEMORY_PARAMS = {
     f"(default {list(DEFAULT_LENGTHS)})",
     **{key: STREAM_PARAMS[key] for key in ("cap", "sinks", "positions", "evict_step", "text")},
 }
+SWEEP_PARAMS = {
+    **{key: STREAM_PARAMS[key] for key in ("tokens", "cap", "evict_step", "text")},
+    "sinks": f"sweep: the sink counts run under the same cap (default {list(DEFAULT_SWEEP)}; "
+    "0 is a pure window)",
+    "positions": "sweep: a list of position handlings run side by side, e.g. [reindexed, "
+    "absolute] (default: the engine's own)",
+}
+RECALL_PARAMS = {
+    **{key: STREAM_PARAMS[key] for key in ("cap", "sinks", "positions", "evict_step")},
+    "text": "where the filler comes from: 'pydoc' or a UTF-8 file (default pydoc)",
+    "filler_tokens": f"recall: tokens of filler between the fact and the question "
+    f"(default {DEFAULT_FILLER_TOKENS})",
+    "fact": "recall: the sentence placed first (default: a vault password, PAPAYA-7)",
+    "question": "recall: the question placed after the filler",
+    "answer": "recall: the expected answer, teacher-forced; start it with a space",
+}
 SCENARIO_PARAMS: dict[str, dict[str, str]] = {
     "stream": STREAM_PARAMS,
     "parity": {key: STREAM_PARAMS[key] for key in ("tokens", "text")},
     "edit_replay": REPLAY_PARAMS,
     "memory": MEMORY_PARAMS,
+    "sweep": SWEEP_PARAMS,
+    "recall": RECALL_PARAMS,
 }
 EXPECTATIONS = ("pass", "violation")
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -124,6 +152,20 @@ class ReplaySpec:
 
 
 @dataclass(frozen=True)
+class RecallSpec:
+    fact: str = DEFAULT_FACT
+    question: str = DEFAULT_QUESTION
+    answer: str = DEFAULT_ANSWER
+    filler_tokens: int = DEFAULT_FILLER_TOKENS
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    sinks: tuple[int, ...]
+    positions: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Check:
     """One declared check: a scenario on an engine and model, under a policy, with budgets."""
 
@@ -147,6 +189,10 @@ class Check:
     """edit_replay only: the chat and its follow-up."""
     lengths: tuple[int, ...] = ()
     """memory only: the context lengths measured."""
+    sweep: SweepSpec | None = None
+    """sweep only: the sink counts and position handlings."""
+    recall: RecallSpec | None = None
+    """recall only: the fact, question, answer and filler length."""
 
     @property
     def location(self) -> str:
@@ -374,7 +420,7 @@ def _parse_check(entry: _Located, defaults: _Located, path: Path) -> Check:
 
     def policy_for(key: str, default: str | None) -> Policy:
         kind = text_field(key, default)
-        engine_scenario = "stream" if scenario == "parity" else scenario
+        engine_scenario = "stream" if scenario in ("parity", "recall") else scenario
         try:
             if kind in POLICY_KINDS:
                 for engine_name, _ in engines:
@@ -395,6 +441,8 @@ def _parse_check(entry: _Located, defaults: _Located, path: Path) -> Check:
             raise exc.located(path, line_of(key)) from None
 
     lengths: tuple[int, ...] = ()
+    sweep: SweepSpec | None = None
+    recall: RecallSpec | None = None
     if scenario == "parity":
         for key in ("policy", "baseline"):
             if key in entry:
@@ -428,6 +476,59 @@ def _parse_check(entry: _Located, defaults: _Located, path: Path) -> Check:
         except KvguardError as exc:
             raise exc.located(path, params.key_lines.get("chat", line_of("policy"))) from None
         replay = ReplaySpec(chat, followup_kind, message)
+    elif scenario == "sweep":
+        replay = None
+        if "policy" in entry:
+            raise KvguardError(
+                "a sweep chooses its policies (0 sinks: window; more: sink)",
+                path=path,
+                line=line_of("policy"),
+                fix="remove 'policy'; list the sink counts in params.sinks",
+            )
+        cap = int_param("cap", None)
+        try:
+            counts = check_sinks(params.get("sinks", list(DEFAULT_SWEEP)), cap)
+        except KvguardError as exc:
+            raise exc.located(path, params.key_lines.get("sinks", entry.line)) from None
+        modes = params.get("positions", [ENGINES[engine].native_positions])
+        if not (isinstance(modes, list) and modes and all(isinstance(m, str) for m in modes)):
+            raise _type_error(
+                "params.positions", "a list of position handlings", modes, path,
+                params.key_lines["positions"],
+            )  # fmt: skip
+        try:
+            if cap is None:
+                raise KvguardError("a sweep needs a cap", fix="set params.cap, e.g. cap: 256")
+            evict_step = int_param("evict_step", 1) or 1
+            for mode in modes:
+                for count in counts:
+                    check_policy(engine, sweep_policy(count, cap, mode, evict_step), "stream")
+            policy = sweep_policy(counts[-1], cap, modes[0], evict_step)
+            check_reaches_eviction(policy, tokens)
+        except KvguardError as exc:
+            raise exc.located(path, params.key_lines.get("positions", entry.line)) from None
+        try:
+            baseline = make_policy(text_field("baseline", "full"))
+            check_policy(engine, baseline, "stream")
+        except KvguardError as exc:
+            raise exc.located(path, line_of("baseline")) from None
+        sweep = SweepSpec(counts, tuple(dict.fromkeys(modes)))
+    elif scenario == "recall":
+        replay = None
+        policy = baseline = policy_for("policy", None)
+        filler = int_param("filler_tokens", DEFAULT_FILLER_TOKENS)
+        assert filler is not None
+        if filler < 1:
+            raise KvguardError(
+                "filler_tokens must be >= 1", path=path, line=params.key_lines["filler_tokens"]
+            )
+        recall = RecallSpec(
+            str_param("fact", DEFAULT_FACT),
+            str_param("question", DEFAULT_QUESTION),
+            str_param("answer", DEFAULT_ANSWER),
+            filler,
+        )
+        tokens = filler
     elif scenario == "memory":
         replay = None
         policy = baseline = policy_for("policy", None)
@@ -516,6 +617,8 @@ def _parse_check(entry: _Located, defaults: _Located, path: Path) -> Check:
         other_engine=engines[1][0] if scenario == "parity" else None,
         replay=replay,
         lengths=lengths,
+        sweep=sweep,
+        recall=recall,
     )
 
 

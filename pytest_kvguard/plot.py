@@ -23,9 +23,9 @@ def require_matplotlib() -> None:
         )
 
 
-def plot_path(json_path: Path) -> Path:
-    """``kvguard-report.json`` -> ``kvguard-report.kv-bytes.png``."""
-    return json_path.with_name(json_path.stem + ".kv-bytes.png")
+def plot_path(json_path: Path, kind: str = "kv-bytes") -> Path:
+    """``kvguard-report.json`` -> ``kvguard-report.kv-bytes.png`` (or ``.sink-sweep.png``)."""
+    return json_path.with_name(f"{json_path.stem}.{kind}.png")
 
 
 def write_kv_plot(rows: Sequence[dict[str, Any]], path: Path) -> int:
@@ -41,7 +41,9 @@ def write_kv_plot(rows: Sequence[dict[str, Any]], path: Path) -> int:
 
     panels: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
-        if row.get("verdict") != "ERROR" and len(row.get("samples") or []) > 1:
+        if row.get("scenario") not in ("stream", "memory") or row.get("verdict") == "ERROR":
+            continue
+        if len(row.get("samples") or []) > 1:
             panels.setdefault(f"{row['model']} on {row['engine']}", []).append(row)
     if not panels:
         return 0
@@ -64,6 +66,42 @@ def write_kv_plot(rows: Sequence[dict[str, Any]], path: Path) -> int:
         ax.set_ylabel("KV MiB (solid: measured, dashed: predicted)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return lines
+
+
+def write_sweep_plot(rows: Sequence[dict[str, Any]], path: Path) -> int:
+    """Post-eviction perplexity against the number of sinks, a line per check and positions;
+    the full cache's as a dotted line. Returns the lines drawn (0: nothing written)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sweeps = [r for r in rows if r.get("scenario") == "sweep" and r.get("verdict") != "ERROR"]
+    if not sweeps:
+        return 0
+    fig, ax = plt.subplots(figsize=(7, 4.5), layout="constrained")
+    lines = 0
+    for row in sweeps:
+        modes = list(dict.fromkeys(s["positions"] for s in row["samples"]))
+        for mode in modes:
+            points = sorted(
+                (s["sinks"], s["post_eviction_ppl"])
+                for s in row["samples"]
+                if s["positions"] == mode
+            )
+            label = f"{row['model']}, {row['engine']}, {mode}"
+            (line,) = ax.plot(*zip(*points, strict=True), marker="o", label=label)
+            lines += 1
+        ax.axhline(row["base_ppl"], linestyle=":", color=line.get_color(), alpha=0.6)
+    ax.set_xlabel("sinks (same total cap)")
+    ax.set_ylabel("post-eviction perplexity (dotted: full cache)")
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)

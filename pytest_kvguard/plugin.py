@@ -5,6 +5,7 @@ Only wiring lives here; the logic is in plain modules that do not import pytest.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -17,7 +18,13 @@ import pytest
 
 from pytest_kvguard.baseline import Baseline, load_baseline, regressions, tolerances
 from pytest_kvguard.budgets import Budgets
-from pytest_kvguard.budgets_file import BudgetsFile, Check, ReplaySpec, load_budgets_file
+from pytest_kvguard.budgets_file import (
+    BudgetsFile,
+    Check,
+    RecallSpec,
+    ReplaySpec,
+    load_budgets_file,
+)
 from pytest_kvguard.engines import (
     ENGINES,
     EngineOptions,
@@ -26,8 +33,9 @@ from pytest_kvguard.engines import (
 )
 from pytest_kvguard.engines.blas import preload_openblas
 from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.faults import FAULTS, fault, inject
 from pytest_kvguard.models import ModelRef, parse_model
-from pytest_kvguard.plot import plot_path, require_matplotlib, write_kv_plot
+from pytest_kvguard.plot import plot_path, require_matplotlib, write_kv_plot, write_sweep_plot
 from pytest_kvguard.policies import DEFAULT_CHECKPOINT_STEP, make_policy
 from pytest_kvguard.report import (
     build_report,
@@ -40,11 +48,20 @@ from pytest_kvguard.report import (
 from pytest_kvguard.runner import CheckOutcome, Judging, Runner, run_check
 from pytest_kvguard.scenarios.edit_replay import DEFAULT_CHAT
 from pytest_kvguard.scenarios.memory import DEFAULT_LENGTHS, check_lengths
+from pytest_kvguard.scenarios.recall import (
+    DEFAULT_ANSWER,
+    DEFAULT_FACT,
+    DEFAULT_FILLER_TOKENS,
+    DEFAULT_QUESTION,
+)
+from pytest_kvguard.scenarios.sweep import DEFAULT_SINKS as DEFAULT_SWEEP
+from pytest_kvguard.scenarios.sweep import check_sinks
 from pytest_kvguard.texts import DEFAULT_TEXT
 
 BUDGETS_KEY = pytest.StashKey[BudgetsFile]()
 RUNNER_KEY = pytest.StashKey[Runner]()
 BASELINE_KEY = pytest.StashKey[Baseline]()
+FAULT_KEY = pytest.StashKey[contextlib.ExitStack]()
 EXPECTED_KEY = pytest.StashKey[set[str]]()
 OUTCOMES_KEY = pytest.StashKey[list[CheckOutcome]]()
 PROPERTY = "kvguard"
@@ -84,6 +101,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "figure that regressed past its tolerance (budgets file 'baseline_tolerances:', over "
         "built-in defaults) fails the check. Default: no comparison (ini: kvguard_baseline).",
     )
+    group.addoption(
+        "--kvguard-inject-fault",
+        metavar="FAULT",
+        default=None,
+        choices=sorted(FAULTS),
+        help="Run the whole session with this engine fault injected (one of: "
+        + ", ".join(sorted(FAULTS))
+        + "), to see which checks catch it. The run is expected to fail. Default: none.",
+    )
     parser.addini("kvguard_baseline", "Baseline JSON report, as --kvguard-baseline.")
     parser.addini("kvguard_budgets", "Budgets file to run, as --kvguard (relative to rootdir).")
     parser.addini("kvguard_json", "JSON report path, as --kvguard-json (relative to rootdir).")
@@ -116,6 +142,16 @@ def pytest_configure(config: pytest.Config) -> None:
             require_matplotlib()
         except KvguardError as exc:
             raise pytest.UsageError(str(exc)) from None
+    fault_name = config.getoption("kvguard_inject_fault")
+    if fault_name:
+        faults = contextlib.ExitStack()
+        try:
+            faults.enter_context(inject(fault_name))
+        except ImportError as exc:
+            raise pytest.UsageError(
+                f"fault '{fault_name}' needs engine '{fault(fault_name).engine}': {exc}"
+            ) from None
+        config.stash[FAULT_KEY] = faults
     baseline_path = _option_path(config, "kvguard_baseline", "kvguard_baseline")
     if baseline_path is not None:
         try:
@@ -182,8 +218,20 @@ def _baseline_warning(config: pytest.Config) -> str | None:
     )
 
 
+def pytest_unconfigure(config: pytest.Config) -> None:
+    faults = config.stash.get(FAULT_KEY, None)
+    if faults is not None:
+        faults.close()
+
+
 def pytest_report_header(config: pytest.Config) -> list[str]:
     lines = []
+    if FAULT_KEY in config.stash:
+        chosen = fault(config.getoption("kvguard_inject_fault"))
+        lines.append(
+            f"kvguard FAULT INJECTED: {chosen.name} ({chosen.engine}: {chosen.what}); "
+            "this run is expected to fail"
+        )
     baseline = config.stash.get(BASELINE_KEY, None)
     if baseline is not None:
         lines.append(
@@ -389,6 +437,66 @@ class KvguardFixture:
             )[0]
         )
 
+    def sweep(
+        self,
+        *,
+        sinks: Sequence[int] = DEFAULT_SWEEP,
+        positions: Sequence[str] | None = None,
+        cap: int = 256,
+        evict_step: int = 1,
+        baseline: str = "full",
+        tokens: int = 1500,
+        text: str = DEFAULT_TEXT,
+        engine: str = "llama_cpp",
+        model: str = "smollm2-135m",
+    ) -> CheckOutcome:
+        """Run the ``sweep`` scenario: each sink count (0 = window) under each position handling."""
+        modes = tuple(positions or (engine_info(engine).native_positions,))
+        return self._run(
+            lambda runner, judging: runner.sweep_check(
+                judging,
+                engine=engine,
+                model=self._model(model),
+                sinks=check_sinks(list(sinks), cap),
+                positions=modes,
+                cap=cap,
+                evict_step=evict_step,
+                baseline=make_policy(baseline),
+                tokens=tokens,
+                text=text,
+            )[0]
+        )
+
+    def recall(
+        self,
+        *,
+        policy: str = "sink",
+        cap: int | None = 256,
+        sinks: int | None = None,
+        positions: str | None = None,
+        filler_tokens: int = DEFAULT_FILLER_TOKENS,
+        fact: str = DEFAULT_FACT,
+        question: str = DEFAULT_QUESTION,
+        answer: str = DEFAULT_ANSWER,
+        text: str = DEFAULT_TEXT,
+        engine: str = "llama_cpp",
+        model: str = "smollm2-135m",
+    ) -> CheckOutcome:
+        """Run the ``recall`` scenario: is a fact placed before the window still answered?"""
+
+        def run(runner: Runner, judging: Judging) -> CheckOutcome:
+            handling = positions or engine_info(engine).native_positions
+            return runner.recall_check(
+                judging,
+                engine=engine,
+                model=self._model(model),
+                policy=make_policy(policy, cap=cap, sinks=sinks, positions=handling),
+                recall=RecallSpec(fact, question, answer, filler_tokens),
+                text=text,
+            )[0]
+
+        return self._run(run)
+
     def memory(
         self,
         *,
@@ -496,8 +604,8 @@ class KvguardReporter:
         self.rows: dict[str, list[dict[str, Any]]] = {}
         self.json_path = _option_path(config, "kvguard_json", "kvguard_json")
         self.json_error: str | None = None
-        self.plot_path: Path | None = None
-        """Where the KV plot went, once written."""
+        self.plot_paths: list[Path] = []
+        """Where the plots went, once written."""
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         rows = [json.loads(str(v)) for name, v in report.user_properties if name == PROPERTY]
@@ -531,9 +639,10 @@ class KvguardReporter:
         try:
             write_json(self.json_path, report)
             if self.config.getoption("kvguard_plot"):
-                target = plot_path(self.json_path)
-                if write_kv_plot(report["checks"], target):
-                    self.plot_path = target
+                for kind, write in (("kv-bytes", write_kv_plot), ("sink-sweep", write_sweep_plot)):
+                    target = plot_path(self.json_path, kind)
+                    if write(report["checks"], target):
+                        self.plot_paths.append(target)
         except OSError as exc:
             self.json_error = f"cannot write {exc.filename or self.json_path}: {exc.strerror}"
             session.exitstatus = pytest.ExitCode.INTERNAL_ERROR
@@ -574,7 +683,7 @@ class KvguardReporter:
             terminalreporter.write_line(f"kvguard: ERROR {self.json_error}", red=True)
         elif self.json_path is not None:
             terminalreporter.write_line(f"kvguard: JSON report written to {self.json_path}")
-            if self.plot_path is not None:
-                terminalreporter.write_line(f"kvguard: KV plot written to {self.plot_path}")
-            elif self.config.getoption("kvguard_plot"):
-                terminalreporter.write_line("kvguard: no plot (no check sampled KV bytes)")
+            for target in self.plot_paths:
+                terminalreporter.write_line(f"kvguard: plot written to {target}")
+            if self.config.getoption("kvguard_plot") and not self.plot_paths:
+                terminalreporter.write_line("kvguard: no plot (no memory, stream or sweep figures)")

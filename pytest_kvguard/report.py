@@ -92,6 +92,66 @@ def memory_rows(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
     return out
 
 
+def sweep_table(rows: Sequence[dict[str, Any]], fmt: str) -> str:
+    """One line per sweep check and position handling: post-eviction ppl (delta) per sink count."""
+    counts = sorted({sample["sinks"] for row in rows for sample in row["samples"]})
+    headers = ["check", "engine", "model", "positions", "full", *(f"S={c}" for c in counts)]
+    headers += ["budget", "verdict"]
+    lines = []
+    for row in rows:
+        modes = list(dict.fromkeys(sample["positions"] for sample in row["samples"]))
+        for i, mode in enumerate(modes):
+            by_count = {s["sinks"]: s for s in row["samples"] if s["positions"] == mode}
+            cells = [
+                f"{by_count[c]['post_eviction_ppl']:.2f} ({by_count[c]['ppl_increase_pct']:+.1f}%)"
+                if c in by_count
+                else ""
+                for c in counts
+            ]
+            first = i == 0
+            lines.append(
+                [
+                    row["name"] if first else "",
+                    f"{row['engine']} {row['engine_version']}" if first else "",
+                    row["model"] if first else "",
+                    mode,
+                    f"{row['base_ppl']:.2f}" if first else "",
+                    *cells,
+                    row["budget_text"] if first else "",
+                    row["verdict"] if first else "",
+                ]
+            )
+    return tabulate(lines, headers=headers, tablefmt=fmt, disable_numparse=True)
+
+
+RECALL_HEADERS = [
+    "check", "engine", "model", "policy", "prompt", "fact evicted", "recalled", "full cache",
+    "budget", "verdict",
+]  # fmt: skip
+
+
+def recall_rows(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
+    out = []
+    for row in rows:
+        m = row["metrics"]
+        hits = f"{m['answer_hits']:.0f}/{m['answer_tokens']:.0f}"
+        out.append(
+            [
+                row["name"],
+                f"{row['engine']} {row['engine_version']}",
+                row["model"],
+                row["policy"],
+                str(row["tokens"]),
+                "yes" if m["fact_evicted"] else "no",
+                f"{'yes' if m['recalled'] else 'no'} ({hits}, nll {m['answer_nll']:.2f})",
+                f"{'yes' if m['baseline_recalled'] else 'no'} (nll {m['baseline_answer_nll']:.2f})",
+                row["budget_text"],
+                row["verdict"],
+            ]
+        )
+    return out
+
+
 def table_rows(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
     out = []
     for row in rows:
@@ -117,11 +177,14 @@ def table_rows(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
 
 
 def render_table(rows: Sequence[dict[str, Any]], fmt: str = "simple") -> str:
-    """Quality checks (stream, parity), edit-replay checks and memory checks in their own tables."""
+    """Quality checks (stream, parity) in one table; sweeps, edit-replay and memory in their own."""
     ran = [r for r in rows if r["verdict"] != "ERROR"]
     replays = [r for r in ran if r.get("scenario") == "edit_replay"]
     memory = [r for r in ran if r.get("scenario") == "memory"]
-    quality = [r for r in rows if r not in replays and r not in memory]
+    sweeps = [r for r in ran if r.get("scenario") == "sweep"]
+    recalls = [r for r in ran if r.get("scenario") == "recall"]
+    own_tables = [*replays, *memory, *sweeps, *recalls]
+    quality = [r for r in rows if r not in own_tables]
     parts = []
     if quality:
         parts.append(
@@ -133,6 +196,14 @@ def render_table(rows: Sequence[dict[str, Any]], fmt: str = "simple") -> str:
         parts.append(
             tabulate(
                 replay_rows(replays), headers=REPLAY_HEADERS, tablefmt=fmt, disable_numparse=True
+            )
+        )
+    if sweeps:
+        parts.append(sweep_table(sweeps, fmt))
+    if recalls:
+        parts.append(
+            tabulate(
+                recall_rows(recalls), headers=RECALL_HEADERS, tablefmt=fmt, disable_numparse=True
             )
         )
     if memory:

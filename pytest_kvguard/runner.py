@@ -5,12 +5,13 @@ A baseline (``full``) run shared by several checks on the same model and tokens 
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from pytest_kvguard.budgets import Budgets
-from pytest_kvguard.budgets_file import Check, ReplaySpec
+from pytest_kvguard.budgets_file import Check, RecallSpec, ReplaySpec
 from pytest_kvguard.capacity import load_arch, predict_engine_kv_bytes
 from pytest_kvguard.engines import Engine, EngineOptions, check_policy, load_engine
 from pytest_kvguard.errors import KvguardError
@@ -25,7 +26,9 @@ from pytest_kvguard.scenarios.edit_replay import (
 )
 from pytest_kvguard.scenarios.memory import MemoryResult, memory_result
 from pytest_kvguard.scenarios.parity import ParityResult, compare_parity
+from pytest_kvguard.scenarios.recall import RecallResult, build_prompt, run_recall
 from pytest_kvguard.scenarios.stream import StreamResult, StreamRun, compare, run_stream
+from pytest_kvguard.scenarios.sweep import SweepResult, sweep_policy, sweep_rows
 from pytest_kvguard.texts import Text, load_text
 
 
@@ -70,7 +73,7 @@ class CheckOutcome:
     engine_info: dict[str, str] = field(default_factory=dict)
     layer_sizes: list[tuple[int, int]] = field(default_factory=list)
     """(tokens seen, entries held) per layer for the candidate, where the engine exposes it."""
-    samples: list[dict[str, float]] = field(default_factory=list)
+    samples: list[dict[str, Any]] = field(default_factory=list)
     """KV figures over the run: tokens, held, kv_bytes (memory: predicted_bytes, deviation)."""
     baseline_status: str | None = None
     """With --kvguard-baseline: within tolerance, regressed, not in baseline, not compared."""
@@ -251,6 +254,103 @@ class Runner:
         )
         return outcome, result
 
+    def sweep_check(
+        self,
+        judging: Judging,
+        *,
+        engine: str,
+        model: ModelRef,
+        sinks: tuple[int, ...],
+        positions: tuple[str, ...],
+        cap: int,
+        evict_step: int,
+        baseline: Policy,
+        tokens: int,
+        text: str,
+    ) -> tuple[CheckOutcome, SweepResult]:
+        """Every sink count under every position handling, same cap, same token ids."""
+        loaded_text = load_text(text, judging.base_dir)
+        base_run, base_new = self.stream_run(engine, model, baseline, loaded_text, tokens)
+        results, seconds = [], {"baseline": base_run.seconds if base_new else 0.0}
+        for mode in positions:
+            for count in sinks:
+                policy = sweep_policy(count, cap, mode, evict_step)
+                run, new = self.stream_run(engine, model, policy, loaded_text, tokens)
+                results.append((mode, count, compare(run, base_run)))
+                seconds[policy.describe()] = run.seconds if new else 0.0
+        result = sweep_rows(results)
+        metrics = result.metrics
+        loaded, _ = self.engine(engine, model)
+        outcome = self._judge(
+            judging,
+            scenario="sweep",
+            model_engine=engine,
+            model=model,
+            text=loaded_text,
+            tokens=tokens,
+            metrics=metrics,
+            engine=engine,
+            engine_version=loaded.version(),
+            policy=f"sinks {list(sinks)}/{cap} {'+'.join(positions)}",
+            baseline=baseline.describe(),
+            base_ppl=metrics["baseline_post_eviction_ppl"],
+            ppl=metrics["post_eviction_ppl"],
+            delta_pct=metrics["ppl_increase_pct"],
+            seconds=seconds,
+            tokens_per_second=base_run.tokens_per_second,
+            engine_info=loaded.describe(),
+            samples=[row.to_json() for row in result.rows],
+        )
+        return outcome, result
+
+    def recall_check(
+        self,
+        judging: Judging,
+        *,
+        engine: str,
+        model: ModelRef,
+        policy: Policy,
+        recall: RecallSpec,
+        text: str,
+    ) -> tuple[CheckOutcome, RecallResult]:
+        """The fact, the filler and the question under the policy and under the full cache."""
+        check_policy(engine, policy, "stream")
+        loaded_text = load_text(text, judging.base_dir)
+        loaded, _ = self.engine(engine, model)
+        filler = self.token_ids(engine, model, loaded_text, recall.filler_tokens + 1)
+        prompt = build_prompt(loaded, recall.fact, filler, recall.question, recall.answer)
+        label = f"{engine} {model.name}"
+        runs = []
+        for candidate in (policy, make_policy("full")):
+            run = run_recall(loaded, candidate, prompt)
+            self.say(
+                f"{label} {candidate.describe()}: recall {run.answer_hits}/{run.answer_tokens} "
+                f"answer tokens after {run.prompt_tokens} prompt tokens in {run.seconds:.1f} s"
+            )
+            runs.append(run)
+        result = RecallResult(*runs)
+        metrics = result.metrics
+        outcome = self._judge(
+            judging,
+            scenario="recall",
+            model_engine=engine,
+            model=model,
+            text=loaded_text,
+            tokens=len(prompt.prompt),
+            metrics=metrics,
+            engine=engine,
+            engine_version=loaded.version(),
+            policy=policy.describe(),
+            baseline="full",
+            base_ppl=math.exp(metrics["baseline_answer_nll"]),
+            ppl=math.exp(metrics["answer_nll"]),
+            delta_pct=None,
+            seconds={"candidate": runs[0].seconds, "baseline": runs[1].seconds},
+            tokens_per_second=runs[0].prompt_tokens / runs[0].seconds if runs[0].seconds else 0.0,
+            engine_info=loaded.describe(),
+        )
+        return outcome, result
+
     def memory_check(
         self,
         judging: Judging,
@@ -419,6 +519,30 @@ def run_check(runner: Runner, check: Check) -> CheckOutcome:
             engines=(check.engine, check.other_engine),
             model=check.model,
             tokens=check.tokens,
+            text=check.text,
+        )
+    elif check.scenario == "sweep":
+        assert check.sweep is not None and check.policy.cap is not None
+        outcome, _ = runner.sweep_check(
+            judging,
+            engine=check.engine,
+            model=check.model,
+            sinks=check.sweep.sinks,
+            positions=check.sweep.positions,
+            cap=check.policy.cap,
+            evict_step=check.policy.evict_step,
+            baseline=check.baseline,
+            tokens=check.tokens,
+            text=check.text,
+        )
+    elif check.scenario == "recall":
+        assert check.recall is not None
+        outcome, _ = runner.recall_check(
+            judging,
+            engine=check.engine,
+            model=check.model,
+            policy=check.policy,
+            recall=check.recall,
             text=check.text,
         )
     elif check.scenario == "memory":

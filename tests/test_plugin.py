@@ -421,6 +421,23 @@ BAD_INPUTS = {
         "budgets.yaml:17: unknown baseline figure 'post_eviction_pp' (fix: did you mean "
         "'post_eviction_ppl'?*",
     ),
+    "sweep_with_policy": (
+        "version: 1\nchecks:\n  - name: a\n    scenario: sweep\n    engine: fake\n"
+        "    model: tiny.gguf\n    policy: sink\n    params: {cap: 64, tokens: 400}\n"
+        "    budgets: {min_sink_gain_pct: 1}\n",
+        "budgets.yaml:7: a sweep chooses its policies (0 sinks: window; more: sink)*",
+    ),
+    "sweep_sinks_past_cap": (
+        "version: 1\nchecks:\n  - name: a\n    scenario: sweep\n    engine: fake\n"
+        "    model: tiny.gguf\n    params: {cap: 64, tokens: 400, sinks: [0, 63]}\n"
+        "    budgets: {min_sink_gain_pct: 1}\n",
+        "budgets.yaml:7: 63 sinks leave no room under cap 64*",
+    ),
+    "recall_budget_not_a_flag": (
+        "version: 1\nchecks:\n  - name: a\n    scenario: recall\n    engine: fake\n"
+        "    model: tiny.gguf\n    policy: full\n    budgets:\n      must_recall: 1\n",
+        "budgets.yaml:9: budget must_recall must be true or false, got 1*",
+    ),
     "control_without_reason": (
         "version: 1\nchecks:\n  - name: a\n    engine: fake\n    model: tiny.gguf\n"
         "    policy: window\n    params: {cap: 64, tokens: 400}\n    budgets: {max_kv_entries: 9}\n"
@@ -482,7 +499,7 @@ def test_plot_is_written_next_to_the_json(gate: pytest.Pytester) -> None:
     )
     result.assert_outcomes(passed=2)
     png = gate.path / "out" / "r.kv-bytes.png"
-    result.stdout.fnmatch_lines([f"kvguard: KV plot written to {Path('out') / 'r.kv-bytes.png'}"])
+    result.stdout.fnmatch_lines([f"kvguard: plot written to {Path('out') / 'r.kv-bytes.png'}"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # The stream checks' samples behind the plot: at the cap and at the end.
     sink = json.loads((gate.path / "out/r.json").read_text())["checks"][0]
@@ -507,3 +524,44 @@ def test_bounded_budget_on_a_stream_check(gate: pytest.Pytester) -> None:
     result.assert_outcomes(passed=1, deselected=1)
     metrics = json.loads((gate.path / "r.json").read_text())["checks"][0]["metrics"]
     assert metrics["kv_growth_after_cap_bytes"] == 0 and metrics["kv_bytes"] == 64 * 64
+
+
+SWEEP_AND_RECALL = """\
+version: 1
+defaults:
+  engine: fake
+  model: tiny.gguf
+checks:
+  - name: toy-sweep
+    scenario: sweep
+    params: {tokens: 400, cap: 64, sinks: [0, 1, 2], positions: [reindexed, absolute]}
+    budgets: {min_sink_gain_pct: 50, max_position_gap_pct: 1}
+  - name: toy-recall
+    scenario: recall
+    policy: full
+    params: {filler_tokens: 100}
+    budgets: {max_kv_entries: 10000}
+"""
+
+
+def test_sweep_and_recall_tables(gate: pytest.Pytester) -> None:
+    gate.makefile(".yaml", budgets=SWEEP_AND_RECALL)
+    result = gate.runpytest("--kvguard", "budgets.yaml", "--kvguard-json", "r.json")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(
+        [
+            "check * positions * full * S=0 * S=1 * S=2 *",
+            "toy-sweep * reindexed * 1.08 * (+*%) *PASS",
+            "* absolute *",
+            "check * policy * prompt * fact evicted * recalled * full cache *",
+            "toy-recall * full * no * PASS",
+        ]
+    )
+    sweep = json.loads((gate.path / "r.json").read_text())["checks"][0]
+    assert [(s["positions"], s["sinks"]) for s in sweep["samples"]] == [
+        ("reindexed", 0), ("reindexed", 1), ("reindexed", 2),
+        ("absolute", 0), ("absolute", 1), ("absolute", 2),
+    ]  # fmt: skip
+    # The toy forgets once its sink is gone: no sinks is far worse, positions do not matter.
+    assert sweep["metrics"]["sink_gain_pct"] > 50
+    assert sweep["metrics"]["position_gap_pct"] == 0

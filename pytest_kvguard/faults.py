@@ -1,0 +1,148 @@
+"""Engine faults injected at run time, the way real upgrades break KV-cache handling.
+
+Each fault patches the real engine (or the engine call kvguard's adapter makes) for the
+duration of a ``with inject(name):`` block, and names the bundled checks that must turn red
+under it. ``pytest --kvguard-inject-fault NAME`` runs a whole session under one fault, so a
+user can see which of their own checks would catch it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from pytest_kvguard.errors import KvguardError
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    engine: str
+    what: str
+    """What breaks, as an upgrade would break it."""
+    caught_by: tuple[str, ...]
+    """Bundled checks (fixtures/budgets.yaml) that must turn red under this fault."""
+    patch: Callable[[contextlib.ExitStack], None]
+
+
+def _set(stack: contextlib.ExitStack, owner: Any, name: str, value: Any) -> None:
+    """Replace ``owner.name`` until the stack closes."""
+    original = getattr(owner, name)
+    setattr(owner, name, value)
+    stack.callback(setattr, owner, name, original)
+
+
+def _sinks_dropped(stack: contextlib.ExitStack) -> None:
+    from mlx_lm.models.cache import RotatingKVCache
+
+    from pytest_kvguard.engines import mlx as adapter
+
+    class RotatingWithoutKeep(RotatingKVCache):  # type: ignore[misc]
+        def __init__(self, max_size: int, keep: int = 0) -> None:
+            super().__init__(max_size, keep=0)  # sinks asked for, silently not kept
+
+    _set(stack, adapter, "RotatingKVCache", RotatingWithoutKeep)
+
+
+def _cap_not_applied(stack: contextlib.ExitStack) -> None:
+    from mlx_lm.models.cache import RotatingKVCache
+
+    from pytest_kvguard.engines import mlx as adapter
+
+    class RotatingWithoutCap(RotatingKVCache):  # type: ignore[misc]
+        def __init__(self, max_size: int, keep: int = 0) -> None:
+            super().__init__(2**31, keep=keep)  # max_size silently ignored
+
+    _set(stack, adapter, "RotatingKVCache", RotatingWithoutCap)
+
+
+def _positions_not_rebased(stack: contextlib.ExitStack) -> None:
+    import llama_cpp as lc
+
+    def seq_add_ignored(memory: Any, seq: int, p0: int, p1: int, delta: int) -> None:
+        return None  # survivors keep their old positions after eviction
+
+    _set(stack, lc, "llama_memory_seq_add", seq_add_ignored)
+
+
+def _swa_full_ignored(stack: contextlib.ExitStack) -> None:
+    import llama_cpp as lc
+
+    real = lc.llama_init_from_model
+
+    def init_without_swa_full(model: Any, params: Any) -> Any:
+        params.swa_full = False  # the flag is accepted and not honoured
+        return real(model, params)
+
+    _set(stack, lc, "llama_init_from_model", init_without_swa_full)
+
+
+def _checkpoint_not_restored(stack: contextlib.ExitStack) -> None:
+    import llama_cpp as lc
+
+    def restore_nothing(ctx: Any, data: Any, size: int, seq: int, flags: int) -> int:
+        return 0  # the engine reports that it restored nothing
+
+    _set(stack, lc, "llama_state_seq_set_data_ext", restore_nothing)
+
+
+FAULTS: dict[str, Fault] = {
+    f.name: f
+    for f in (
+        Fault(
+            "sinks_dropped",
+            "mlx",
+            "RotatingKVCache built with keep=0 where the policy asks for sinks",
+            ("smollm2-mlx-sink4",),
+            _sinks_dropped,
+        ),
+        Fault(
+            "positions_not_rebased",
+            "llama_cpp",
+            "llama_memory_seq_add does nothing: survivors are not re-based after eviction",
+            ("smollm2-sink4-reindexed", "smollm2-window-reindexed"),
+            _positions_not_rebased,
+        ),
+        Fault(
+            "cap_not_applied",
+            "mlx",
+            "RotatingKVCache(max_size) silently grows like a KVCache",
+            ("smollm2-mlx-memory-sink4", "smollm2-mlx-sink4"),
+            _cap_not_applied,
+        ),
+        Fault(
+            "swa_full_ignored",
+            "llama_cpp",
+            "the context is created without swa_full although it was asked for",
+            ("gemma3-memory-swafull", "gemma3-swafull-edit-middle"),
+            _swa_full_ignored,
+        ),
+        Fault(
+            "checkpoint_not_restored",
+            "llama_cpp",
+            "llama_state_seq_set_data_ext restores nothing from a sliding-layer checkpoint",
+            ("gemma3-ckpt-edit-middle",),
+            _checkpoint_not_restored,
+        ),
+    )
+}
+
+
+def fault(name: str) -> Fault:
+    try:
+        return FAULTS[name]
+    except KeyError:
+        raise KvguardError(
+            f"unknown fault '{name}'", fix="use one of " + ", ".join(FAULTS)
+        ) from None
+
+
+@contextlib.contextmanager
+def inject(name: str) -> Iterator[Fault]:
+    """Run the block with the fault in place; everything is restored on the way out."""
+    chosen = fault(name)
+    with contextlib.ExitStack() as stack:
+        chosen.patch(stack)
+        yield chosen

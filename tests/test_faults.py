@@ -1,0 +1,65 @@
+"""Injected engine faults, on the real engines and bundled models: the gate must catch each one.
+
+Each fault breaks the engine the way an upgrade could; every bundled check it names must turn
+red with a message that points at the cause. The clean run (every check green) is
+test_bundled_gate. A fresh runner per fault, so no run from a clean engine is reused.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from pytest_kvguard.budgets_file import load_budgets_file
+from pytest_kvguard.engines import EngineOptions
+from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.faults import FAULTS, inject
+from pytest_kvguard.runner import Runner, run_check
+
+pytestmark = pytest.mark.engine
+BUNDLED = {c.name: c for c in load_budgets_file(
+    Path(__file__).parent.parent / "fixtures" / "budgets.yaml").checks}  # fmt: skip
+
+CAUSE = {
+    "sinks_dropped": {"smollm2-mlx-sink4": r"max_ppl_increase_pct: .* measured \d+"},
+    "positions_not_rebased": {
+        "smollm2-sink4-reindexed": r"cache positions 0\.\.\d+ after eviction, expected 0\.\.255",
+        "smollm2-window-reindexed": r"cache positions \d+\.\.\d+ after eviction, expected",
+    },
+    "cap_not_applied": {
+        "smollm2-mlx-memory-sink4": r"cap or window not applied",
+        "smollm2-mlx-sink4": r"max_kv_entries: .*measured 1,500 entries.*bounded: KV bytes",
+    },
+    "swa_full_ignored": {
+        "gemma3-memory-swafull": r"max_kv_deviation_pct: .* measured -?\d+",
+        "gemma3-swafull-edit-middle": r"min_reused_tokens: cached tokens reused budget 2,332",
+    },
+    "checkpoint_not_restored": {"gemma3-ckpt-edit-middle": r"restored 0 of \d+ checkpoint bytes"},
+}
+
+
+def test_every_fault_names_bundled_checks_and_an_expected_cause() -> None:
+    assert set(CAUSE) == set(FAULTS)
+    for name, f in FAULTS.items():
+        assert set(f.caught_by) == set(CAUSE[name]) and set(f.caught_by) <= set(BUNDLED)
+
+
+@pytest.mark.parametrize("name", sorted(FAULTS))
+def test_fault_turns_its_checks_red_with_the_cause(name: str) -> None:
+    runner = Runner(EngineOptions.from_env())
+    try:
+        with inject(name) as fault:
+            for check_name in fault.caught_by:
+                check = BUNDLED[check_name]
+                try:
+                    outcome = run_check(runner, check)
+                except KvguardError as exc:
+                    message = str(exc)  # the check errors: red, never a pass
+                else:
+                    assert outcome.verdict == "FAIL", (check_name, outcome.violations)
+                    message = "; ".join(outcome.violations)
+                assert re.search(CAUSE[name][check_name], message), (check_name, message)
+    finally:
+        runner.close()
