@@ -47,11 +47,15 @@ def write_kv_plot(rows: Sequence[dict[str, Any]], path: Path) -> int:
             panels.setdefault(f"{row['model']} on {row['engine']}", []).append(row)
     if not panels:
         return 0
+    columns = min(2, len(panels))
+    n_rows = -(-len(panels) // columns)
     fig, axes = plt.subplots(
-        1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False, layout="constrained"
+        n_rows, columns, figsize=(7 * columns, 4.5 * n_rows), squeeze=False, layout="constrained"
     )
+    for spare in axes.flat[len(panels) :]:
+        spare.set_visible(False)
     lines = 0
-    for ax, (title, panel_rows) in zip(axes[0], sorted(panels.items()), strict=True):
+    for ax, (title, panel_rows) in zip(axes.flat, sorted(panels.items()), strict=False):
         for row in panel_rows:
             tokens = [s["tokens"] for s in row["samples"]]
             measured = [s["kv_bytes"] / 2**20 for s in row["samples"]]

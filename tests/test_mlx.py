@@ -55,6 +55,15 @@ def test_same_run_twice_is_bitwise_identical(kvguard_runner: Runner, short_ids: 
     policy = make_policy("window", cap=64, positions="absolute")
     first, second = run_stream(engine, policy, short_ids), run_stream(engine, policy, short_ids)
     assert np.array_equal(first.nll, second.nll)
+    # Token counts and KV figures too (peak RSS is process-wide and cumulative: not compared).
+    assert (first.first_eviction, first.evicted, first.kv_entries) == (
+        second.first_eviction,
+        second.evicted,
+        second.kv_entries,
+    )
+    assert [(s.tokens, s.held, s.figures["kv_bytes"]) for s in first.samples] == [
+        (s.tokens, s.held, s.figures["kv_bytes"]) for s in second.samples
+    ]
 
 
 def test_the_report_says_which_blas_path_ran(kvguard_runner: Runner) -> None:

@@ -349,10 +349,17 @@ class LlamaCppStream(_Sequence):
         expect_min = 0 if self.policy.sinks else self._oldest_unpinned
         if self.policy.positions == "reindexed":
             expect_min = 0
-        if pos_max != self._next_pos - 1 or pos_min != expect_min:
+        expect_max = self._next_pos - 1
+        if pos_max != expect_max or pos_min != expect_min:
+            if self.policy.positions == "reindexed" and pos_max > expect_max:
+                cause = "the survivors were not re-based (llama_memory_seq_add had no effect)"
+            elif pos_min < expect_min:
+                cause = "evicted cells are still held (llama_memory_seq_rm had no effect)"
+            else:
+                cause = "the engine did not evict as asked"
             raise EngineError(
                 f"llama.cpp cache positions {pos_min}..{pos_max} after eviction, expected "
-                f"{expect_min}..{self._next_pos - 1}: the engine did not evict as asked"
+                f"{expect_min}..{expect_max}: {cause}"
             )
 
     def feed(self, token_ids: Sequence[int], logits: bool = True) -> np.ndarray:
@@ -459,7 +466,19 @@ class LlamaCppPrefixCache(_Sequence):
         if not lc.llama_memory_seq_rm(self.memory, SEQ, keep, -1) or (
             keep and lc.llama_memory_seq_pos_max(self.memory, SEQ) != keep - 1
         ):
-            raise EngineError(f"llama.cpp could not keep the first {keep} cached tokens")
+            held = (
+                f"{lc.llama_memory_seq_pos_min(self.memory, SEQ)}.."
+                f"{lc.llama_memory_seq_pos_max(self.memory, SEQ)}"
+            )
+            hint = (
+                ": swa_full was asked for, yet the sliding layers lost positions before the split"
+                if self.policy.kind == "swa_full"
+                else ""
+            )
+            raise EngineError(
+                f"llama.cpp could not keep the first {keep} cached tokens (it holds positions "
+                f"{held}){hint}"
+            )
         if keep == 0:
             lc.llama_memory_seq_rm(self.memory, SEQ, -1, -1)
         # Checkpoints past the kept prefix describe tokens that are gone.

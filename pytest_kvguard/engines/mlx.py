@@ -72,6 +72,7 @@ class MlxEngine:
             self._encode = tokenizer.encode
             self._render = lambda messages: tokenizer.apply_chat_template(messages, tokenize=False)
         self.kv_element_bytes = float(_float_dtype(self.model).size)
+        self.weight_bytes = float(_weight_bytes(self.model))
         """Caches take the activations' dtype: float32 for a dequantized GGUF, else the model's."""
 
     def version(self) -> str:
@@ -100,6 +101,12 @@ class MlxEngine:
     def close(self) -> None:
         self.model = None
         mx.clear_cache()
+
+
+def _weight_bytes(model: Any) -> int:
+    from mlx.utils import tree_flatten
+
+    return sum(int(value.nbytes) for _, value in tree_flatten(model.parameters()))
 
 
 def _float_dtype(model: Any) -> Any:
@@ -131,6 +138,7 @@ class MlxStream:
     def __init__(self, engine: MlxEngine, policy: Policy) -> None:
         # Absolute positions and one-token eviction only: engines.check_policy refuses the rest.
         self.model = engine.model
+        self.weight_bytes = engine.weight_bytes
         self.policy = policy
         mx.synchronize()
         mx.reset_peak_memory()
@@ -170,7 +178,12 @@ class MlxStream:
         return {
             "kv_bytes": float(sum(c.nbytes for c in self.cache)),
             "kv_entries_total": float(sum(c.size() for c in self.cache)),
-            "peak_memory_bytes": float(mx.get_peak_memory()),
+            # mlx counts every array in the process, other models' weights included: this
+            # model's weights plus what the run added on top of what was there when it began.
+            "peak_memory_bytes": float(mx.get_peak_memory())
+            - self.active_before
+            + self.weight_bytes,
+            "process_peak_memory_bytes": float(mx.get_peak_memory()),
             "active_memory_bytes": float(mx.get_active_memory() - self.active_before),
         }
 
