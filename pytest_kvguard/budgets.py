@@ -92,7 +92,8 @@ class Budgets:
         "peak",
         "peak memory",
         "Peak memory of the run, weights included; bytes or a size such as '1.5 GiB'. mlx-lm: "
-        "mx.get_peak_memory(); llama.cpp: its own model + KV + compute buffers.",
+        "the weights plus the run's rise of mx.get_peak_memory(); llama.cpp: its own model + KV "
+        "+ compute buffers.",
     )
     bounded: bool | None = _limit(
         ("stream", "memory"),

@@ -103,7 +103,6 @@ def write_sweep_plot(rows: Sequence[dict[str, Any]], path: Path) -> int:
         ax.axhline(row["base_ppl"], linestyle=":", color=line.get_color(), alpha=0.6)
     ax.set_xlabel("sinks (same total cap)")
     ax.set_ylabel("post-eviction perplexity (dotted: full cache)")
-    ax.set_yscale("log")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
     path.parent.mkdir(parents=True, exist_ok=True)

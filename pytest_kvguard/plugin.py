@@ -89,8 +89,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--kvguard-plot",
         action="store_true",
         default=False,
-        help="Also write a PNG of KV bytes against tokens fed (measured and predicted, per "
-        "check) next to the JSON report, as NAME.kv-bytes.png. Needs --kvguard-json and "
+        help="Also write PNG plots next to the JSON report: NAME.kv-bytes.png (KV bytes "
+        "against tokens fed, measured and predicted, per check) and NAME.sink-sweep.png "
+        "(post-eviction perplexity against sinks, for sweep checks). Needs --kvguard-json and "
         "matplotlib (pytest-kvguard[plot]). Default: off.",
     )
     group.addoption(

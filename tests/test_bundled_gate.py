@@ -46,6 +46,20 @@ def test_bundled_check(kvguard_runner: Runner, check: Check) -> None:
             assert cap is not None
             assert [s["held"] for s in outcome.samples] == [min(n, cap) for n in check.lengths]
         return
+    if check.scenario == "sweep":
+        assert check.sweep is not None
+        runs = [(s["positions"], s["sinks"]) for s in outcome.samples]
+        assert runs == [(p, c) for p in check.sweep.positions for c in check.sweep.sinks]
+        # Every run held exactly the cap once past it, and evicted from the same token on.
+        assert {s["kv_entries"] for s in outcome.samples} == {check.policy.cap}
+        assert {s["first_eviction"] for s in outcome.samples} == {check.policy.cap}
+        return
+    if check.scenario == "recall":
+        assert m["baseline_recalled"] == 1  # the full cache answers: the probe is answerable
+        # Eviction reaches the fact unless every fact token is a pinned sink.
+        evicts = check.policy.kind != "full"
+        assert m["fact_evicted"] == (evicts and check.policy.sinks < m["fact_tokens"])
+        return
     if check.scenario == "parity":
         # Both engines scored every one of the same token ids.
         assert outcome.tokens == check.tokens and m["mean_abs_nll_diff"] > 0

@@ -140,6 +140,7 @@ class RecallResult:
             "baseline_recalled": float(base.recalled),
             "baseline_answer_nll": base.answer_nll,
             "fact_evicted": float(cand.fact_evicted),
+            "fact_tokens": float(cand.fact_end),
             "prompt_tokens": float(cand.prompt_tokens),
             "evicted": float(cand.evicted),
             "kv_entries": float(cand.held),
