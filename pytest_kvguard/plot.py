@@ -28,16 +28,30 @@ def plot_path(json_path: Path, kind: str = "kv-bytes") -> Path:
     return json_path.with_name(f"{json_path.stem}.{kind}.png")
 
 
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on CI machines
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig: Any, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def write_kv_plot(rows: Sequence[dict[str, Any]], path: Path) -> int:
     """Measured (solid) and predicted (dashed) KV MiB vs tokens, one panel per engine and model.
 
     Memory checks give every length; stream checks their samples (the cap and the end).
     Returns the number of lines drawn; no file is written when there is nothing to draw.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on CI machines
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     panels: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
@@ -70,19 +84,14 @@ def write_kv_plot(rows: Sequence[dict[str, Any]], path: Path) -> int:
         ax.set_ylabel("KV MiB (solid: measured, dashed: predicted)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
     return lines
 
 
 def write_sweep_plot(rows: Sequence[dict[str, Any]], path: Path) -> int:
     """Post-eviction perplexity against the number of sinks, a line per check and positions;
     the full cache's as a dotted line. Returns the lines drawn (0: nothing written)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     sweeps = [r for r in rows if r.get("scenario") == "sweep" and r.get("verdict") != "ERROR"]
     if not sweeps:
@@ -105,7 +114,5 @@ def write_sweep_plot(rows: Sequence[dict[str, Any]], path: Path) -> int:
     ax.set_ylabel("post-eviction perplexity (dotted: full cache)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
     return lines

@@ -185,33 +185,20 @@ def render_table(rows: Sequence[dict[str, Any]], fmt: str = "simple") -> str:
     recalls = [r for r in ran if r.get("scenario") == "recall"]
     own_tables = [*replays, *memory, *sweeps, *recalls]
     quality = [r for r in rows if r not in own_tables]
-    parts = []
-    if quality:
-        parts.append(
-            tabulate(
-                table_rows(quality), headers=TABLE_HEADERS, tablefmt=fmt, disable_numparse=True
-            )
+
+    def plain(to_rows: Any, headers: list[str]) -> Any:
+        return lambda group: tabulate(
+            to_rows(group), headers=headers, tablefmt=fmt, disable_numparse=True
         )
-    if replays:
-        parts.append(
-            tabulate(
-                replay_rows(replays), headers=REPLAY_HEADERS, tablefmt=fmt, disable_numparse=True
-            )
-        )
-    if sweeps:
-        parts.append(sweep_table(sweeps, fmt))
-    if recalls:
-        parts.append(
-            tabulate(
-                recall_rows(recalls), headers=RECALL_HEADERS, tablefmt=fmt, disable_numparse=True
-            )
-        )
-    if memory:
-        parts.append(
-            tabulate(
-                memory_rows(memory), headers=MEMORY_HEADERS, tablefmt=fmt, disable_numparse=True
-            )
-        )
+
+    tables = [
+        (quality, plain(table_rows, TABLE_HEADERS)),
+        (sweeps, lambda group: sweep_table(group, fmt)),  # columns: the sink counts swept
+        (replays, plain(replay_rows, REPLAY_HEADERS)),
+        (recalls, plain(recall_rows, RECALL_HEADERS)),
+        (memory, plain(memory_rows, MEMORY_HEADERS)),
+    ]
+    parts = [render(group) for group, render in tables if group]
     return "\n\n".join(parts)
 
 

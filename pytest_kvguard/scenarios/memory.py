@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from pytest_kvguard.budgets import format_size
 from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.scenarios import ascending_counts
 from pytest_kvguard.scenarios.stream import StreamRun, growth_metric
 
 DEFAULT_LENGTHS = (512, 1024, 2048, 4096)
@@ -87,21 +88,7 @@ class MemoryResult:
 
 def check_lengths(lengths: object) -> list[int]:
     """Distinct positive lengths in ascending order, or a clear error."""
-    if (
-        not isinstance(lengths, (list, tuple))
-        or not lengths
-        or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in lengths)
-    ):
-        raise KvguardError(
-            f"lengths must be a list of positive token counts, got {lengths!r}",
-            fix="write e.g. lengths: [512, 1024, 2048]",
-        )
-    if list(lengths) != sorted(set(lengths)):
-        raise KvguardError(
-            f"lengths must be distinct and ascending, got {list(lengths)}",
-            fix=f"write lengths: {sorted(set(lengths))}",
-        )
-    return list(lengths)
+    return ascending_counts(lengths, "lengths", 1, 1, "[512, 1024, 2048]")
 
 
 def memory_result(

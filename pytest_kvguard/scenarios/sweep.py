@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.policies import Policy, make_policy
+from pytest_kvguard.scenarios import ascending_counts
 from pytest_kvguard.scenarios.stream import StreamResult
 
 DEFAULT_SINKS = (0, 1, 2, 4, 8)
@@ -26,25 +27,12 @@ def sweep_policy(sinks: int, cap: int, positions: str, evict_step: int) -> Polic
 
 def check_sinks(values: object, cap: int | None) -> tuple[int, ...]:
     """At least two distinct sink counts, ascending, each leaving room under the cap."""
-    if (
-        not isinstance(values, (list, tuple))
-        or len(values) < 2
-        or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values)
-    ):
+    counts = ascending_counts(values, "sinks", 0, 2, "[0, 1, 2, 4, 8]")
+    if cap is not None and counts[-1] >= cap - 1:
         raise KvguardError(
-            f"sweep sinks must be a list of at least two counts >= 0, got {values!r}",
-            fix="write e.g. sinks: [0, 1, 2, 4, 8]",
+            f"{counts[-1]} sinks leave no room under cap {cap}", fix="raise cap or drop that count"
         )
-    if list(values) != sorted(set(values)):
-        raise KvguardError(
-            f"sweep sinks must be distinct and ascending, got {list(values)}",
-            fix=f"write sinks: {sorted(set(values))}",
-        )
-    if cap is not None and values[-1] >= cap - 1:
-        raise KvguardError(
-            f"{values[-1]} sinks leave no room under cap {cap}", fix="raise cap or drop that count"
-        )
-    return tuple(values)
+    return tuple(counts)
 
 
 @dataclass(frozen=True)
