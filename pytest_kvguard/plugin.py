@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from pytest_kvguard.baseline import Baseline, load_baseline, regressions, tolerances
+from pytest_kvguard.baseline import Baseline, load_baseline, regressions, tolerances, upgrades
 from pytest_kvguard.budgets import Budgets
 from pytest_kvguard.budgets_file import (
     BudgetsFile,
@@ -328,6 +328,7 @@ def _against_baseline(config: pytest.Config, outcome: CheckOutcome) -> CheckOutc
     then = baseline.checks.get(outcome.name)
     if then is None:
         return replace(outcome, baseline_status="not in baseline")
+    outcome = replace(outcome, baseline_changes=upgrades(then, outcome.to_json()))
     if outcome.expect_violation:
         return replace(outcome, baseline_status="not compared (negative control)")
     budgets_file = config.stash.get(BUDGETS_KEY, None)
@@ -672,6 +673,18 @@ class KvguardReporter:
         warning = _baseline_warning(self.config)
         if warning:
             terminalreporter.write_line(warning, yellow=True, bold=True)
+        changes: dict[str, int] = {}
+        for row in rows:
+            for change in row.get("baseline_changes") or []:
+                changes[change] = changes.get(change, 0) + 1
+        if changes:
+            terminalreporter.write_line(
+                "kvguard: changed since the baseline: "
+                + "; ".join(
+                    f"{change} ({n} check{'s' * (n != 1)})" for change, n in changes.items()
+                ),
+                yellow=True,
+            )
         if rows:
             terminalreporter.write_sep("=", "kvguard")
             terminalreporter.write_line(render_table(rows))

@@ -77,6 +77,8 @@ class CheckOutcome:
     """KV figures over the run: tokens, held, kv_bytes (memory: predicted_bytes, deviation)."""
     baseline_status: str | None = None
     """With --kvguard-baseline: within tolerance, regressed, not in baseline, not compared."""
+    baseline_changes: list[str] = field(default_factory=list)
+    """With --kvguard-baseline: what changed since it (engine version or build, model, text)."""
 
     @property
     def verdict(self) -> str:

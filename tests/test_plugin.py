@@ -239,6 +239,9 @@ def test_baseline_better_than_reality_fails_naming_figure_values_and_upgrades(
     result = gate.runpytest("--kvguard", "budgets.yaml", "--kvguard-baseline", "base.json")
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(
+        ["kvguard: changed since the baseline: fake 0.0-old -> 0.0-test (1 check); model *"]
+    )
+    result.stdout.fnmatch_lines(
         [
             f"regressed against baseline: post_eviction_ppl {real / 1.05:,.4g} -> {real:,.4g} "
             "(+5.00%), tolerance +2% [[]since baseline: fake 0.0-old -> 0.0-test; "
@@ -312,6 +315,28 @@ def test_marker_budget_violation_is_one_line(gate: pytest.Pytester) -> None:
         ["max_ppl_increase_pct: post-eviction perplexity increase over baseline budget 5%, "
          "measured *%"]
     )  # fmt: skip
+
+
+def test_marker_memory_budgets_in_human_units(gate: pytest.Pytester) -> None:
+    # The toy holds 64 B per entry: 64 entries = 4 KiB at the cap, and it stays there.
+    gate.makepyfile(
+        """
+import pytest
+
+@pytest.mark.kv_budget(bounded=True, max_kv_bytes="4 KiB")
+def test_within(kvguard):
+    kvguard.stream(engine="fake", model="tiny.gguf", policy="sink", cap=64, sinks=1, tokens=400)
+
+@pytest.mark.kv_budget(max_kv_bytes="3 KiB")
+def test_over(kvguard):
+    kvguard.stream(engine="fake", model="tiny.gguf", policy="sink", cap=64, sinks=1, tokens=400)
+"""
+    )
+    result = gate.runpytest()
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(
+        ["*max_kv_bytes: KV bytes held at the end budget 3.00 KiB, measured 4.00 KiB*"]
+    )
 
 
 def test_marker_without_scenario_fails(gate: pytest.Pytester) -> None:
