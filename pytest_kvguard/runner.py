@@ -26,7 +26,7 @@ from pytest_kvguard.scenarios.edit_replay import (
 )
 from pytest_kvguard.scenarios.memory import MemoryResult, memory_result
 from pytest_kvguard.scenarios.parity import ParityResult, compare_parity
-from pytest_kvguard.scenarios.recall import RecallResult, build_prompt, run_recall
+from pytest_kvguard.scenarios.recall import RecallResult, RecallRun, build_prompt, run_recall
 from pytest_kvguard.scenarios.stream import StreamResult, StreamRun, compare, run_stream
 from pytest_kvguard.scenarios.sweep import SweepResult, sweep_policy, sweep_rows
 from pytest_kvguard.texts import Text, load_text
@@ -115,6 +115,7 @@ class Runner:
         self.say: Say = say or (lambda line, detail=False: None)
         self._engines: dict[tuple[str, Path], Engine] = {}
         self._tokens: dict[tuple[Path, str], list[int]] = {}
+        self._recalls: dict[tuple[Any, ...], RecallRun] = {}
         self._runs: dict[tuple[str, Path, str, int, Policy, tuple[int, ...], bool], StreamRun] = {}
 
     def engine(self, name: str, model: ModelRef) -> tuple[Engine, Path]:
@@ -192,7 +193,11 @@ class Runner:
 
         ``findings`` are violations the scenario itself detects, whatever the budgets say.
         """
-        _, path = self.engine(model_engine, model)
+        loaded, path = self.engine(model_engine, model)
+        # Parity names two engines; every other scenario reports the engine it ran.
+        fields.setdefault("engine", model_engine)
+        fields.setdefault("engine_version", loaded.version())
+        fields.setdefault("engine_info", loaded.describe())
         is_gguf = path.is_file()
         budgets = judging.budgets
         return CheckOutcome(
@@ -229,7 +234,6 @@ class Runner:
         cand_run, cand_new = self.stream_run(engine, model, policy, loaded_text, tokens)
         result = compare(cand_run, base_run)
         metrics = result.metrics
-        loaded, _ = self.engine(engine, model)
         outcome = self._judge(
             judging,
             scenario="stream",
@@ -238,8 +242,6 @@ class Runner:
             text=loaded_text,
             tokens=tokens,
             metrics=metrics,
-            engine=engine,
-            engine_version=loaded.version(),
             policy=policy.describe(),
             baseline=baseline.describe(),
             base_ppl=metrics["baseline_post_eviction_ppl"],
@@ -250,7 +252,6 @@ class Runner:
                 "baseline": base_run.seconds if base_new else 0.0,
             },
             tokens_per_second=cand_run.tokens_per_second,
-            engine_info=loaded.describe(),
             layer_sizes=cand_run.layer_sizes,
             samples=[{"tokens": s.tokens, "held": s.held, **s.figures} for s in cand_run.samples],
         )
@@ -282,7 +283,6 @@ class Runner:
                 seconds[policy.describe()] = run.seconds if new else 0.0
         result = sweep_rows(results)
         metrics = result.metrics
-        loaded, _ = self.engine(engine, model)
         outcome = self._judge(
             judging,
             scenario="sweep",
@@ -291,8 +291,6 @@ class Runner:
             text=loaded_text,
             tokens=tokens,
             metrics=metrics,
-            engine=engine,
-            engine_version=loaded.version(),
             policy=f"sinks {list(sinks)}/{cap} {'+'.join(positions)}",
             baseline=baseline.describe(),
             base_ppl=metrics["baseline_post_eviction_ppl"],
@@ -300,7 +298,6 @@ class Runner:
             delta_pct=metrics["ppl_increase_pct"],
             seconds=seconds,
             tokens_per_second=base_run.tokens_per_second,
-            engine_info=loaded.describe(),
             samples=[row.to_json() for row in result.rows],
         )
         return outcome, result
@@ -318,18 +315,23 @@ class Runner:
         """The fact, the filler and the question under the policy and under the full cache."""
         check_policy(engine, policy, "stream")
         loaded_text = load_text(text, judging.base_dir)
-        loaded, _ = self.engine(engine, model)
+        loaded, path = self.engine(engine, model)
         filler = self.token_ids(engine, model, loaded_text, recall.filler_tokens + 1)
         prompt = build_prompt(loaded, recall.fact, filler, recall.question, recall.answer)
-        label = f"{engine} {model.name}"
-        runs = []
+        runs, fresh = [], []
         for candidate in (policy, make_policy("full")):
-            run = run_recall(loaded, candidate, prompt)
-            self.say(
-                f"{label} {candidate.describe()}: recall {run.answer_hits}/{run.answer_tokens} "
-                f"answer tokens after {run.prompt_tokens} prompt tokens in {run.seconds:.1f} s"
-            )
-            runs.append(run)
+            # The full-cache run is shared by every recall check of the same prompt.
+            key = (engine, path, candidate, tuple(prompt.prompt), tuple(prompt.answer))
+            fresh.append(key not in self._recalls)
+            if fresh[-1]:
+                run = run_recall(loaded, candidate, prompt)
+                self.say(
+                    f"{engine} {model.name} {candidate.describe()}: recall {run.answer_hits}/"
+                    f"{run.answer_tokens} answer tokens after {run.prompt_tokens} prompt tokens "
+                    f"in {run.seconds:.1f} s"
+                )
+                self._recalls[key] = run
+            runs.append(self._recalls[key])
         result = RecallResult(*runs)
         metrics = result.metrics
         outcome = self._judge(
@@ -340,16 +342,16 @@ class Runner:
             text=loaded_text,
             tokens=len(prompt.prompt),
             metrics=metrics,
-            engine=engine,
-            engine_version=loaded.version(),
             policy=policy.describe(),
             baseline="full",
             base_ppl=math.exp(metrics["baseline_answer_nll"]),
             ppl=math.exp(metrics["answer_nll"]),
             delta_pct=None,
-            seconds={"candidate": runs[0].seconds, "baseline": runs[1].seconds},
+            seconds={
+                "candidate": runs[0].seconds if fresh[0] else 0.0,
+                "baseline": runs[1].seconds if fresh[1] else 0.0,
+            },
             tokens_per_second=runs[0].prompt_tokens / runs[0].seconds if runs[0].seconds else 0.0,
-            engine_info=loaded.describe(),
         )
         return outcome, result
 
@@ -393,8 +395,6 @@ class Runner:
             tokens=lengths[-1],
             metrics=result.metrics,
             findings=result.findings(),
-            engine=engine,
-            engine_version=loaded.version(),
             policy=policy.describe(),
             baseline="prediction",
             base_ppl=None,
@@ -402,7 +402,6 @@ class Runner:
             delta_pct=None,
             seconds={"run": run.seconds if new else 0.0},
             tokens_per_second=run.tokens_per_second,
-            engine_info=loaded.describe(),
             layer_sizes=run.layer_sizes,
             samples=[row.to_json() for row in result.rows],
         )
@@ -487,8 +486,6 @@ class Runner:
             text=Text(replay.chat, first_text),
             tokens=run.replay.prompt_tokens,
             metrics=metrics,
-            engine=engine,
-            engine_version=loaded.version(),
             policy=policy.describe(),
             baseline=what,
             base_ppl=None,
@@ -498,7 +495,6 @@ class Runner:
             tokens_per_second=run.replay.reprefilled / run.replay.seconds
             if run.replay.seconds
             else 0.0,
-            engine_info=loaded.describe(),
         )
         return outcome, run
 
@@ -507,6 +503,7 @@ class Runner:
             engine.close()
         self._engines.clear()
         self._runs.clear()
+        self._recalls.clear()
 
 
 def run_check(runner: Runner, check: Check) -> CheckOutcome:
