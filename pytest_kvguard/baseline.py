@@ -11,13 +11,15 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from pytest_kvguard.budgets import unknown_key_error
 from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.report import REPORT_SCHEMA
+from pytest_kvguard.outcome import Outcome
+from pytest_kvguard.report import READABLE_SCHEMAS
+from pytest_kvguard.units import format_change, format_figure
 
 HIGHER_IS_BETTER = frozenset({"reused_tokens"})
 """Figures that regress by falling; every other compared figure regresses by rising."""
@@ -136,9 +138,10 @@ def load_baseline(path: Path) -> Baseline:
             f"{path}:{exc.lineno}: baseline is not JSON ({exc.msg})",
             fix="pass a JSON report written by --kvguard-json",
         ) from None
-    if not isinstance(report, dict) or report.get("schema") != REPORT_SCHEMA:
+    if not isinstance(report, dict) or report.get("schema") not in READABLE_SCHEMAS:
         raise KvguardError(
-            f"{path} is not a kvguard report of schema {REPORT_SCHEMA}",
+            f"{path} is not a kvguard report of schema "
+            + " or ".join(str(v) for v in READABLE_SCHEMAS),
             fix="save a new baseline with --kvguard-json",
         )
     if not report.get("complete"):
@@ -179,8 +182,10 @@ def regressions(
         old, new = float(old_metrics[metric]), float(new_metrics[metric])
         if rule.allows(old, new):
             continue
-        change = f"{(new / old - 1) * 100:+.2f}%" if old else f"{new - old:+g}"
-        found.append(f"{metric} {_fmt(old)} -> {_fmt(new)} ({change}), tolerance {rule.describe()}")
+        found.append(
+            f"{metric} {format_figure(old)} -> {format_figure(new)} ({format_change(old, new)}), "
+            f"tolerance {rule.describe()}"
+        )
     if not found:
         return []
     what = upgrades(then, now)
@@ -188,5 +193,20 @@ def regressions(
     return [f"regressed against baseline: {', '.join(found)} [since baseline: {since}]"]
 
 
-def _fmt(value: float) -> str:
-    return f"{value:,.0f}" if value.is_integer() else f"{value:,.4g}"
+def compare_with_baseline(
+    outcome: Outcome, baseline: Baseline, rules: Mapping[str, Tolerance]
+) -> Outcome:
+    """The outcome with what changed since the baseline, and any regression as a violation."""
+    then = baseline.checks.get(outcome.name)
+    if then is None:
+        return replace(outcome, baseline_status="not in baseline")
+    now = outcome.to_json()
+    outcome = replace(outcome, baseline_changes=upgrades(then, now))
+    if outcome.expect_violation:
+        return replace(outcome, baseline_status="not compared (negative control)")
+    found = regressions(then, now, rules)
+    return replace(
+        outcome,
+        violations=[*outcome.violations, *found],
+        baseline_status="regressed" if found else "within tolerance",
+    )

@@ -2,7 +2,8 @@
 
 The same ``Budgets`` type is built from a YAML ``budgets:`` mapping and from
 ``@pytest.mark.kv_budget(...)`` (its keyword-only constructor *is* the marker's signature,
-so a misspelt budget fails loudly). This module does not import pytest.
+so a misspelt budget fails loudly). Which budgets apply to which scenario is each scenario's
+own list (``pytest_kvguard.scenarios``). This module does not import pytest.
 """
 
 from __future__ import annotations
@@ -14,32 +15,30 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.units import SIZE_SUFFIXES, format_value, parse_size
 
 
 def _limit(
-    scenarios: str | tuple[str, ...],
     metric: str,
     bound: str,
     unit: str,
     short: str,
     label: str,
     doc: str,
+    span: tuple[float, float] = (0.0, math.inf),
 ) -> Any:
     """A budget field. ``bound`` is max, min, or flag (a boolean: the metric must not exceed 0).
 
-    Units " B" and " B/token" accept sizes such as "6 MiB".
+    Units " B" and " B/token" accept sizes such as "6 MiB". ``span`` is every value the metric
+    can take: a max at or above its top, or a min at or below its bottom, could never fail.
     """
     return field(
         default=None,
         metadata={
-            "scenarios": (scenarios,) if isinstance(scenarios, str) else scenarios,
             "metric": metric, "bound": bound, "unit": unit, "short": short, "label": label,
-            "doc": doc,
+            "doc": doc, "span": span,
         },
     )  # fmt: skip
-
-
-SIZE_UNITS_OF_BUDGETS = (" B", " B/token")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,7 +46,6 @@ class Budgets:
     """Limits a check's result must stay within. Unset (None) limits are not checked."""
 
     max_ppl_increase_pct: float | None = _limit(
-        ("stream", "sweep"),
         "ppl_increase_pct",
         "max",
         "%",
@@ -57,7 +55,6 @@ class Budgets:
         "this many percent (sweep: at the largest sink count).",
     )
     max_post_eviction_ppl: float | None = _limit(
-        ("stream", "sweep"),
         "post_eviction_ppl",
         "max",
         "",
@@ -66,7 +63,6 @@ class Budgets:
         "Perplexity over the tokens fed after the first eviction may not exceed this.",
     )
     max_kv_entries: float | None = _limit(
-        ("stream", "memory", "recall"),
         "kv_entries",
         "max",
         " entries",
@@ -75,7 +71,6 @@ class Budgets:
         "KV entries held per layer at the end of the run (deterministic).",
     )
     max_kv_bytes: float | str | None = _limit(
-        ("stream", "memory"),
         "kv_bytes",
         "max",
         " B",
@@ -85,7 +80,6 @@ class Budgets:
         "such as '6 MiB'. llama.cpp: the context's state size; mlx-lm: the caches' buffers.",
     )
     max_peak_memory_bytes: float | str | None = _limit(
-        ("stream", "memory"),
         "peak_memory_bytes",
         "max",
         " B",
@@ -96,7 +90,6 @@ class Budgets:
         "+ compute buffers.",
     )
     bounded: bool | None = _limit(
-        ("stream", "memory"),
         "kv_growth_after_cap_bytes",
         "flag",
         " B",
@@ -105,7 +98,6 @@ class Budgets:
         "true: KV bytes may not grow once the cap is reached (needs a policy with a cap).",
     )
     max_kv_bytes_per_token: float | str | None = _limit(
-        "memory",
         "kv_bytes_per_token",
         "max",
         " B/token",
@@ -114,7 +106,6 @@ class Budgets:
         "memory: KV bytes / tokens fed at the longest length; bytes or a size such as '24 KiB'.",
     )
     max_kv_deviation_pct: float | None = _limit(
-        "memory",
         "kv_deviation_pct",
         "max",
         "%",
@@ -124,7 +115,6 @@ class Budgets:
     )
 
     min_sink_gain_pct: float | None = _limit(
-        "sweep",
         "sink_gain_pct",
         "min",
         "%",
@@ -132,9 +122,9 @@ class Budgets:
         "perplexity saved by sinks (no sinks vs the best sink count)",
         "sweep: post-eviction perplexity with 0 sinks over the best with sinks, minus 1, in %; "
         "an engine that ignores its sinks shows ~0.",
+        span=(-100.0, math.inf),
     )
     max_position_gap_pct: float | None = _limit(
-        "sweep",
         "position_gap_pct",
         "max",
         "%",
@@ -144,7 +134,6 @@ class Budgets:
         "count, in %; a large gap pins a failure on position handling, not eviction.",
     )
     must_recall: bool | None = _limit(
-        "recall",
         "forgot",
         "flag",
         "",
@@ -153,17 +142,15 @@ class Budgets:
         "recall: true = the answer must be the model's top choice at every token.",
     )
     must_forget: bool | None = _limit(
-        "recall",
         "recalled",
         "flag",
         "",
         "must forget",
         "the fact was still recalled",
         "recall: true = the answer must not be recalled (the policy must really have evicted "
-        "the fact). Set neither to allow both: recorded, not gated.",
+        "the fact). Set neither to allow both: recorded, not gated. Not with must_recall.",
     )
     max_mean_abs_nll_diff: float | None = _limit(
-        "parity",
         "mean_abs_nll_diff",
         "max",
         " nats",
@@ -172,7 +159,6 @@ class Budgets:
         "parity: mean over tokens of |NLL(engine A) - NLL(engine B)| on the same ids, in nats.",
     )
     max_ppl_diff_pct: float | None = _limit(
-        "parity",
         "ppl_diff_pct",
         "max",
         "%",
@@ -181,7 +167,6 @@ class Budgets:
         "parity: |ppl(B) / ppl(A) - 1| in percent.",
     )
     max_reprefill_tokens: float | None = _limit(
-        "edit_replay",
         "reprefill_tokens",
         "max",
         " tokens",
@@ -190,16 +175,15 @@ class Budgets:
         "edit_replay: follow-up prompt tokens decoded again (llama-server's prompt_n).",
     )
     max_reprefill_fraction: float | None = _limit(
-        "edit_replay",
         "reprefill_fraction",
         "max",
         "",
         "re-prefill share",
         "share of the follow-up prompt re-prefilled",
         "edit_replay: re-prefilled tokens / follow-up prompt tokens (0 to 1).",
+        span=(0.0, 1.0),
     )
     min_reused_tokens: float | None = _limit(
-        "edit_replay",
         "reused_tokens",
         "min",
         " tokens",
@@ -208,7 +192,6 @@ class Budgets:
         "edit_replay: tokens served from the cache (llama-server's cache_n).",
     )
     max_memory_bytes: float | str | None = _limit(
-        "edit_replay",
         "memory_bytes",
         "max",
         " B",
@@ -229,9 +212,9 @@ class Budgets:
                         fix=f"write {f.name}: true",
                     )
                 continue
-            if isinstance(value, str) and f.metadata["unit"] in SIZE_UNITS_OF_BUDGETS:
-                object.__setattr__(self, f.name, parse_size(value, f.name))
-                continue
+            if isinstance(value, str) and f.metadata["unit"] in SIZE_SUFFIXES:
+                value = parse_size(value, f.name)
+                object.__setattr__(self, f.name, value)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise KvguardError(
                     f"budget {f.name} must be a number, got {value!r}",
@@ -239,13 +222,32 @@ class Budgets:
                 )
             if math.isnan(value) or value < 0:
                 raise KvguardError(f"budget {f.name} must be >= 0, got {value!r}")
+            if math.isinf(value):
+                raise KvguardError(
+                    f"budget {f.name} is infinite, so it could never fail",
+                    fix=f"give a finite limit, or remove {f.name}",
+                )
+            low, high = f.metadata["span"]
+            if (f.metadata["bound"] == "max" and value >= high) or (
+                f.metadata["bound"] == "min" and value <= low
+            ):
+                reach = f"at most {high:g}" if f.metadata["bound"] == "max" else f"at least {low:g}"
+                raise KvguardError(
+                    f"budget {f.name}: {value!r} could never fail ({f.metadata['metric']} is "
+                    f"always {reach})",
+                    fix=f"tighten {f.name}, or remove it",
+                )
+        if self.must_recall and self.must_forget:
+            raise KvguardError(
+                "must_recall and must_forget together can never both hold",
+                fix="keep one of them (neither: recall is recorded, not gated)",
+                key="budgets.must_forget",
+            )
 
     @classmethod
-    def names(cls, scenario: str | None = None) -> list[str]:
-        """Budget names, or those that apply to one scenario."""
-        return [
-            f.name for f in fields(cls) if scenario is None or scenario in f.metadata["scenarios"]
-        ]
+    def names(cls) -> list[str]:
+        """Every budget's name, in declaration order."""
+        return [f.name for f in fields(cls)]
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any]) -> Budgets:
@@ -295,8 +297,8 @@ class Budgets:
                 parts.append(f.metadata["short"])
                 continue
             op = "<=" if f.metadata["bound"] == "max" else ">="
-            unit = f.metadata["unit"] if f.metadata["unit"] in ("%", *SIZE_UNITS_OF_BUDGETS) else ""
-            parts.append(f"{f.metadata['short']}{op}{_fmt(limit, unit)}")
+            unit = f.metadata["unit"] if f.metadata["unit"] in ("%", *SIZE_SUFFIXES) else ""
+            parts.append(f"{f.metadata['short']}{op}{format_value(limit, unit)}")
         return ", ".join(parts) or "-"
 
 
@@ -323,51 +325,12 @@ class Violation:
     @property
     def message(self) -> str:
         if self.bound == "flag":
-            amount = f" (by {_fmt(self.measured, self.unit)})" if self.unit else ""
+            amount = f" (by {format_value(self.measured, self.unit)})" if self.unit else ""
             return f"{self.budget}: {self.label}{amount}"
         return (
-            f"{self.budget}: {self.label} budget {_fmt(self.limit, self.unit)}, "
-            f"measured {_fmt(self.measured, self.unit)}"
+            f"{self.budget}: {self.label} budget {format_value(self.limit, self.unit)}, "
+            f"measured {format_value(self.measured, self.unit)}"
         )
-
-
-def _fmt(value: float, unit: str = "") -> str:
-    if unit in SIZE_UNITS_OF_BUDGETS:
-        return format_size(value) + unit[2:]
-    text = f"{value:,.0f}" if float(value).is_integer() else f"{value:,.2f}"
-    return text + unit
-
-
-SIZE_UNITS = {
-    "B": 1,
-    "KiB": 2**10,
-    "MiB": 2**20,
-    "GiB": 2**30,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-}
-
-
-def format_size(n_bytes: float) -> str:
-    """Bytes in the largest binary unit that keeps the number >= 1: ``5.6 MiB``, ``23 KiB``."""
-    for unit in ("GiB", "MiB", "KiB"):
-        scale = SIZE_UNITS[unit]
-        if abs(n_bytes) >= scale:
-            return f"{n_bytes / scale:,.2f} {unit}"
-    return f"{n_bytes:,.0f} B"
-
-
-def parse_size(text: str, name: str) -> float:
-    """``"24 MiB"`` -> 25165824.0; binary (KiB, MiB, GiB) and decimal (KB, MB, GB) units."""
-    number, _, unit = text.strip().partition(" ")
-    try:
-        return float(number) * SIZE_UNITS[unit.strip() or "B"]
-    except (ValueError, KeyError):
-        raise KvguardError(
-            f"budget {name} must be a size, got {text!r}",
-            fix=f"write e.g. {name}: 24 MiB (units: {', '.join(SIZE_UNITS)})",
-        ) from None
 
 
 def unknown_key_error(kind: str, name: str, known: list[str]) -> KvguardError:

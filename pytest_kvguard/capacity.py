@@ -20,6 +20,7 @@ from tabulate import tabulate
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.models import ModelArch, read_arch
 from pytest_kvguard.policies import Policy
+from pytest_kvguard.units import mib
 
 DEFAULT_CONTEXTS = (512, 1024, 2048, 4096, 8192)
 
@@ -179,12 +180,10 @@ def capacity_table(
         swa = predict_kv_bytes(
             arch, n, "swa", bytes_per_element=bytes_per_element, n_ubatch=n_ubatch, n_seq=n_seq
         )
-        rows.append([str(n), mib(full), mib(capped), mib(swa), mib(full), f"{full / swa:.2f}x"])
+        rows.append(
+            [str(n), mib(full, 2), mib(capped, 2), mib(swa, 2), mib(full, 2), f"{full / swa:.2f}x"]
+        )
     return headers, rows
-
-
-def mib(n_bytes: float) -> str:
-    return f"{n_bytes / 2**20:,.2f} MiB"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -18,11 +18,15 @@ class KvguardError(Exception):
         fix: str | None = None,
         path: str | Path | None = None,
         line: int | None = None,
+        key: str | None = None,
     ) -> None:
         self.message = message
         self.fix = fix
         self.path = str(path) if path is not None else None
         self.line = line
+        self.key = key
+        """The check key at fault (``policy``, ``params.cap``, ``budgets.bounded``), so a
+        parser can point at its line; None when the check as a whole is at fault."""
         super().__init__(str(self))
 
     def __str__(self) -> str:
@@ -32,11 +36,17 @@ class KvguardError(Exception):
         fix = f" (fix: {self.fix})" if self.fix else ""
         return f"{where}{self.message}{fix}"
 
+    def keyed(self, key: str) -> KvguardError:
+        """The same error, pointing at check key ``key`` unless it already points somewhere."""
+        if self.key is not None:
+            return self
+        return KvguardError(self.message, fix=self.fix, path=self.path, line=self.line, key=key)
+
     def located(self, path: str | Path, line: int | None) -> KvguardError:
         """The same error, pinned to a place in a file when it has none yet."""
         if self.path is not None:
             return self
-        return KvguardError(self.message, fix=self.fix, path=path, line=line)
+        return KvguardError(self.message, fix=self.fix, path=path, line=line, key=self.key)
 
 
 class EngineError(KvguardError):

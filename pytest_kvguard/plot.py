@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.outcome import Outcome, Row
 
 
 def require_matplotlib() -> None:
@@ -45,7 +46,7 @@ def _save(fig: Any, path: Path) -> None:
     plt.close(fig)
 
 
-def write_kv_plot(rows: Sequence[dict[str, Any]], path: Path) -> int:
+def write_kv_plot(rows: Sequence[Row], path: Path) -> int:
     """Measured (solid) and predicted (dashed) KV MiB vs tokens, one panel per engine and model.
 
     Memory checks give every length; stream checks their samples (the cap and the end).
@@ -53,12 +54,12 @@ def write_kv_plot(rows: Sequence[dict[str, Any]], path: Path) -> int:
     """
     plt = _pyplot()
 
-    panels: dict[str, list[dict[str, Any]]] = {}
+    panels: dict[str, list[Outcome]] = {}
     for row in rows:
-        if row.get("scenario") not in ("stream", "memory") or row.get("verdict") == "ERROR":
+        if not isinstance(row, Outcome) or row.scenario not in ("stream", "memory"):
             continue
-        if len(row.get("samples") or []) > 1:
-            panels.setdefault(f"{row['model']} on {row['engine']}", []).append(row)
+        if len(row.detail.samples) > 1:
+            panels.setdefault(f"{row.model} on {row.engine}", []).append(row)
     if not panels:
         return 0
     columns = min(2, len(panels))
@@ -71,13 +72,14 @@ def write_kv_plot(rows: Sequence[dict[str, Any]], path: Path) -> int:
     lines = 0
     for ax, (title, panel_rows) in zip(axes.flat, sorted(panels.items()), strict=False):
         for row in panel_rows:
-            tokens = [s["tokens"] for s in row["samples"]]
-            measured = [s["kv_bytes"] / 2**20 for s in row["samples"]]
-            label = f"{row['policy']} ({row['name']})"
+            samples = row.detail.samples
+            tokens = [s["tokens"] for s in samples]
+            measured = [s["kv_bytes"] / 2**20 for s in samples]
+            label = f"{row.policy} ({row.name})"
             (line,) = ax.plot(tokens, measured, marker="o", label=label)
             lines += 1
-            if "predicted_bytes" in row["samples"][0]:
-                predicted = [s["predicted_bytes"] / 2**20 for s in row["samples"]]
+            if "predicted_bytes" in samples[0]:
+                predicted = [s["predicted_bytes"] / 2**20 for s in samples]
                 ax.plot(tokens, predicted, linestyle="--", color=line.get_color(), alpha=0.6)
         ax.set_title(title)
         ax.set_xlabel("tokens fed")
@@ -88,28 +90,25 @@ def write_kv_plot(rows: Sequence[dict[str, Any]], path: Path) -> int:
     return lines
 
 
-def write_sweep_plot(rows: Sequence[dict[str, Any]], path: Path) -> int:
+def write_sweep_plot(rows: Sequence[Row], path: Path) -> int:
     """Post-eviction perplexity against the number of sinks, a line per check and positions;
     the full cache's as a dotted line. Returns the lines drawn (0: nothing written)."""
     plt = _pyplot()
 
-    sweeps = [r for r in rows if r.get("scenario") == "sweep" and r.get("verdict") != "ERROR"]
+    sweeps = [r for r in rows if isinstance(r, Outcome) and r.scenario == "sweep"]
     if not sweeps:
         return 0
     fig, ax = plt.subplots(figsize=(7, 4.5), layout="constrained")
     lines = 0
     for row in sweeps:
-        modes = list(dict.fromkeys(s["positions"] for s in row["samples"]))
-        for mode in modes:
-            points = sorted(
-                (s["sinks"], s["post_eviction_ppl"])
-                for s in row["samples"]
-                if s["positions"] == mode
-            )
-            label = f"{row['model']}, {row['engine']}, {mode}"
+        samples = row.detail.samples
+        for mode in dict.fromkeys(s["positions"] for s in samples):
+            points = sorted((s["sinks"], s["post_eviction_ppl"]) for s in samples
+                            if s["positions"] == mode)  # fmt: skip
+            label = f"{row.model}, {row.engine}, {mode}"
             (line,) = ax.plot(*zip(*points, strict=True), marker="o", label=label)
             lines += 1
-        ax.axhline(row["base_ppl"], linestyle=":", color=line.get_color(), alpha=0.6)
+        ax.axhline(row.detail.baseline_ppl, linestyle=":", color=line.get_color(), alpha=0.6)
     ax.set_xlabel("sinks (same total cap)")
     ax.set_ylabel("post-eviction perplexity (dotted: full cache)")
     ax.grid(alpha=0.3)

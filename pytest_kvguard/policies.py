@@ -82,6 +82,7 @@ def make_policy(
         raise KvguardError(
             f"unknown position handling '{positions}'",
             fix="use one of " + ", ".join(POSITION_MODES),
+            key="params.positions",
         )
     if checkpoints and kind != "swa":
         raise KvguardError(

@@ -1,4 +1,8 @@
-"""The end-of-run table and the JSON report. Rows are plain dicts (they travel on reports)."""
+"""The end-of-run tables, the JSON report and the GitHub step summary, from typed rows.
+
+Each scenario draws its own table (``Scenario.table``); this module adds the columns every
+check has (check, engine, model, policy ... budget, verdict) and one table per scenario.
+"""
 
 from __future__ import annotations
 
@@ -14,191 +18,40 @@ from typing import Any
 from tabulate import tabulate
 
 from pytest_kvguard import __version__
-from pytest_kvguard.budgets import format_size
+from pytest_kvguard.outcome import CheckError, Outcome, Row
+from pytest_kvguard.scenarios import SCENARIOS
 
-REPORT_SCHEMA = 1
-TABLE_HEADERS = [
-    "check", "engine", "model", "policy", "tokens", "baseline", "base ppl", "ppl",
-    "delta", "budget", "verdict",
-]  # fmt: skip
-
-
-def error_row(name: str, message: str) -> dict[str, Any]:
-    """A check that could not produce figures still gets a row, so nothing looks like a pass."""
-    return {"name": name, "verdict": "ERROR", "error": message}
+REPORT_SCHEMA = 2
+"""The JSON report's schema version; ``data/report.schema.json`` describes it."""
+READABLE_SCHEMAS = (1, 2)
+"""Report schemas a baseline may come from (1 kept its figures under the same names)."""
 
 
-REPLAY_HEADERS = [
-    "check", "engine", "model", "policy", "follow-up", "prompt", "split", "reused",
-    "re-prefilled", "memory", "replay s", "budget", "verdict",
-]  # fmt: skip
-
-
-def replay_rows(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
-    out = []
-    for row in rows:
-        m = row["metrics"]
-        out.append(
-            [
-                row["name"],
-                f"{row['engine']} {row['engine_version']}",
-                row["model"],
-                row["policy"],
-                row["baseline"],
-                str(row["tokens"]),
-                f"{m['split']:.0f}",
-                f"{m['reused_tokens']:.0f}",
-                f"{m['reprefill_tokens']:.0f}",
-                f"{m['memory_bytes'] / 2**20:.1f} MiB",
-                f"{row['seconds']['replay']:.1f}",
-                row["budget_text"],
-                row["verdict"],
-            ]
-        )
-    return out
-
-
-MEMORY_HEADERS = [
-    "check", "engine", "model", "policy", "tokens", "held", "predicted", "measured",
-    "deviation", "peak", "budget", "verdict",
-]  # fmt: skip
-
-
-def memory_rows(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
-    """One line per measured length; the check's name, budget and verdict on its first line."""
-    out = []
-    for row in rows:
-        for i, sample in enumerate(row["samples"]):
-            first = i == 0
-            deviation = f"{sample['deviation_pct']:+.2f}%"
-            if sample["not_applied"]:
-                deviation += " NOT APPLIED"
-            out.append(
-                [
-                    row["name"] if first else "",
-                    f"{row['engine']} {row['engine_version']}" if first else "",
-                    row["model"] if first else "",
-                    row["policy"] if first else "",
-                    str(sample["tokens"]),
-                    str(sample["held"]),
-                    format_size(sample["predicted_bytes"]),
-                    format_size(sample["kv_bytes"]),
-                    deviation,
-                    format_size(sample["peak_memory_bytes"]),
-                    row["budget_text"] if first else "",
-                    row["verdict"] if first else "",
-                ]
-            )
-    return out
-
-
-def sweep_table(rows: Sequence[dict[str, Any]], fmt: str) -> str:
-    """One line per sweep check and position handling: post-eviction ppl (delta) per sink count."""
-    counts = sorted({sample["sinks"] for row in rows for sample in row["samples"]})
-    headers = ["check", "engine", "model", "positions", "full", *(f"S={c}" for c in counts)]
-    headers += ["budget", "verdict"]
-    lines = []
-    for row in rows:
-        modes = list(dict.fromkeys(sample["positions"] for sample in row["samples"]))
-        for i, mode in enumerate(modes):
-            by_count = {s["sinks"]: s for s in row["samples"] if s["positions"] == mode}
-            cells = [
-                f"{by_count[c]['post_eviction_ppl']:.2f} ({by_count[c]['ppl_increase_pct']:+.1f}%)"
-                if c in by_count
-                else ""
-                for c in counts
-            ]
-            first = i == 0
-            lines.append(
-                [
-                    row["name"] if first else "",
-                    f"{row['engine']} {row['engine_version']}" if first else "",
-                    row["model"] if first else "",
-                    mode,
-                    f"{row['base_ppl']:.2f}" if first else "",
-                    *cells,
-                    row["budget_text"] if first else "",
-                    row["verdict"] if first else "",
-                ]
-            )
-    return tabulate(lines, headers=headers, tablefmt=fmt, disable_numparse=True)
-
-
-RECALL_HEADERS = [
-    "check", "engine", "model", "policy", "prompt", "fact evicted", "recalled", "full cache",
-    "budget", "verdict",
-]  # fmt: skip
-
-
-def recall_rows(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
-    out = []
-    for row in rows:
-        m = row["metrics"]
-        hits = f"{m['answer_hits']:.0f}/{m['answer_tokens']:.0f}"
-        out.append(
-            [
-                row["name"],
-                f"{row['engine']} {row['engine_version']}",
-                row["model"],
-                row["policy"],
-                str(row["tokens"]),
-                "yes" if m["fact_evicted"] else "no",
-                f"{'yes' if m['recalled'] else 'no'} ({hits}, nll {m['answer_nll']:.2f})",
-                f"{'yes' if m['baseline_recalled'] else 'no'} (nll {m['baseline_answer_nll']:.2f})",
-                row["budget_text"],
-                row["verdict"],
-            ]
-        )
-    return out
-
-
-def table_rows(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
-    out = []
-    for row in rows:
-        if row["verdict"] == "ERROR":
-            out.append([row["name"]] + ["-"] * 9 + ["ERROR"])
+def render_table(rows: Sequence[Row], fmt: str = "simple") -> str:
+    """One table per scenario, in registry order; checks that errored in a table of their own."""
+    parts = []
+    for name, scenario in SCENARIOS.items():
+        outcomes = [r for r in rows if isinstance(r, Outcome) and r.scenario == name]
+        if not outcomes:
             continue
-        out.append(
-            [
-                row["name"],
-                f"{row['engine']} {row['engine_version']}",
-                row["model"],
-                row["policy"],
-                str(row["tokens"]),
-                row["baseline"],
-                f"{row['base_ppl']:.2f}",
-                f"{row['ppl']:.2f}",
-                f"{row['delta_pct']:+.1f}%",
-                row["budget_text"],
-                row["verdict"],
-            ]
-        )
-    return out
-
-
-def render_table(rows: Sequence[dict[str, Any]], fmt: str = "simple") -> str:
-    """Quality checks (stream, parity) in one table; sweeps, edit-replay and memory in their own."""
-    ran = [r for r in rows if r["verdict"] != "ERROR"]
-    replays = [r for r in ran if r.get("scenario") == "edit_replay"]
-    memory = [r for r in ran if r.get("scenario") == "memory"]
-    sweeps = [r for r in ran if r.get("scenario") == "sweep"]
-    recalls = [r for r in ran if r.get("scenario") == "recall"]
-    own_tables = [*replays, *memory, *sweeps, *recalls]
-    quality = [r for r in rows if r not in own_tables]
-
-    def plain(to_rows: Any, headers: list[str]) -> Any:
-        return lambda group: tabulate(
-            to_rows(group), headers=headers, tablefmt=fmt, disable_numparse=True
-        )
-
-    tables = [
-        (quality, plain(table_rows, TABLE_HEADERS)),
-        (sweeps, lambda group: sweep_table(group, fmt)),  # columns: the sink counts swept
-        (replays, plain(replay_rows, REPLAY_HEADERS)),
-        (recalls, plain(recall_rows, RECALL_HEADERS)),
-        (memory, plain(memory_rows, MEMORY_HEADERS)),
-    ]
-    parts = [render(group) for group, render in tables if group]
+        middle, cells = scenario.table(outcomes)
+        headers = ["check", "engine", "model", "policy", *middle, "budget", "verdict"]
+        lines = []
+        for outcome, own in zip(outcomes, cells, strict=True):
+            for i, line in enumerate(own):
+                first = i == 0
+                lines.append([
+                    outcome.name if first else "",
+                    f"{outcome.engine} {outcome.engine_version}" if first else "",
+                    outcome.model if first else "", outcome.policy if first else "", *line,
+                    outcome.budget_text if first else "", outcome.verdict if first else "",
+                ])  # fmt: skip
+        parts.append(tabulate(lines, headers=headers, tablefmt=fmt, disable_numparse=True))
+    errors = [r for r in rows if isinstance(r, CheckError)]
+    if errors:
+        lines = [[e.name, e.scenario or "-", e.error, e.verdict] for e in errors]
+        parts.append(tabulate(lines, headers=["check", "scenario", "error", "verdict"],
+                              tablefmt=fmt, disable_numparse=True))  # fmt: skip
     return "\n\n".join(parts)
 
 
@@ -221,8 +74,13 @@ def machine() -> dict[str, Any]:
     }
 
 
+def passed(rows: Sequence[Row], exitstatus: int, missing: Sequence[str]) -> bool:
+    """A run passes only when complete, pytest passed, and every check passed or caught."""
+    return not missing and exitstatus == 0 and all(r.verdict in ("PASS", "CAUGHT") for r in rows)
+
+
 def build_report(
-    rows: Sequence[dict[str, Any]],
+    rows: Sequence[Row],
     *,
     budgets_file: str | None,
     budgets_sha256: str | None,
@@ -231,7 +89,7 @@ def build_report(
     baseline: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The JSON report. ``complete`` is false when a collected check left no figures."""
-    complete = not missing_checks and all(r["verdict"] != "ERROR" for r in rows)
+    complete = not missing_checks and not any(isinstance(r, CheckError) for r in rows)
     return {
         "schema": REPORT_SCHEMA,
         "kvguard_version": __version__,
@@ -244,17 +102,12 @@ def build_report(
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine(),
         "baseline": baseline,
-        "checks": list(rows),
+        "checks": [r.to_json() for r in rows],
     }
 
 
-def passed(rows: Sequence[dict[str, Any]], exitstatus: int, missing: Sequence[str]) -> bool:
-    """A run passes only when complete, pytest passed, and every check passed or caught."""
-    return not missing and exitstatus == 0 and all(r["verdict"] in ("PASS", "CAUGHT") for r in rows)
-
-
 def step_summary(
-    rows: Sequence[dict[str, Any]],
+    rows: Sequence[Row],
     *,
     exitstatus: int,
     missing: Sequence[str],
@@ -267,10 +120,10 @@ def step_summary(
         lines += [f"> **{warning}**", ""]
     lines += [render_table(rows, fmt="github"), ""]
     problems = [
-        f"- **{r['name']}** ({r['verdict']}): "
-        + ("; ".join(r.get("violations") or []) or r.get("error", "") or "no violation")
+        f"- **{r.name}** ({r.verdict}): "
+        + (r.error if isinstance(r, CheckError) else "; ".join(r.violations) or "no violation")
         for r in rows
-        if r["verdict"] in ("FAIL", "MISSED", "ERROR")
+        if r.verdict in ("FAIL", "MISSED", "ERROR")
     ]
     problems += [f"- **{name}**: collected but never ran (incomplete run)" for name in missing]
     if problems:

@@ -1,8 +1,12 @@
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
+import kvguard_fake_engine
 import pytest
+
+from pytest_kvguard.engines import ENGINES, EngineInfo
 
 pytest_plugins = ["pytester"]
 
@@ -27,3 +31,23 @@ def write_tiny_gguf(path: Path) -> Path:
 @pytest.fixture
 def tiny_gguf(tmp_path: Path) -> Path:
     return write_tiny_gguf(tmp_path / "tiny.gguf")
+
+
+@pytest.fixture
+def fake_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The toy engine as ``fake`` and ``fake2`` (installed) and ``ghost`` (not installed)."""
+    monkeypatch.setitem(ENGINES, "fake", kvguard_fake_engine.INFO)
+    monkeypatch.setitem(ENGINES, "fake2", replace(kvguard_fake_engine.INFO, name="fake2"))
+    monkeypatch.setitem(
+        ENGINES,
+        "ghost",
+        EngineInfo("ghost", "x", "no_such_engine_mod", "ghost", "pip install ghost"),
+    )
+    monkeypatch.delenv("KVGUARD_FAKE_FAIL", raising=False)
+
+
+@pytest.fixture
+def gate(pytester: pytest.Pytester, tiny_gguf: Path, fake_engine: None) -> pytest.Pytester:
+    """A pytester folder with the tiny GGUF, for budgets files on the toy engine."""
+    (pytester.path / "tiny.gguf").write_bytes(tiny_gguf.read_bytes())
+    return pytester

@@ -3,14 +3,15 @@
 Token ids are ``i % VOCAB``; the toy predicts ``last + 1`` sharply while token 0 of the
 sequence (its "sink") is still held, slightly less once anything was evicted, and
 vaguely once the sink is gone: a pure window loses the
-sink and its perplexity jumps, a sink policy keeps it. Set KVGUARD_FAKE_FAIL=1 to make
-decoding fail.
+sink and its perplexity jumps, a sink policy keeps it. Its prefix cache (edit_replay) keeps
+any prefix under ``full`` and, under ``swa``, only one whose last ``TOY_WINDOW`` tokens it still
+holds. Set KVGUARD_FAKE_FAIL=1 to make decoding fail.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -20,13 +21,20 @@ from pytest_kvguard.errors import EngineError
 from pytest_kvguard.policies import Policy
 
 VOCAB = 32
+TOY_WINDOW = 16
+CHAT_MARK = "\x02chat\x03"
+"""Starts every chat the toy renders, so its tokenizer can tell a chat from a stream text."""
 INFO = EngineInfo(
     "fake",
     __name__,
     __name__,
     "pytest-kvguard",
     "it ships with the tests",
-    policies={"stream": ("full", "window", "sink"), "memory": ("full", "window", "sink")},
+    policies={
+        "stream": ("full", "window", "sink"),
+        "memory": ("full", "window", "sink"),
+        "edit_replay": ("full", "swa"),
+    },
 )
 
 
@@ -45,10 +53,18 @@ class FakeEngine:
         return {"engine": "fake"}
 
     def tokenize(self, text: str) -> list[int]:
-        return [i % VOCAB for i in range(len(text) // 4)]
+        if text.startswith(CHAT_MARK):  # a rendered chat: one token per character, by content
+            return [ord(c) % VOCAB for c in text]
+        return [i % VOCAB for i in range(len(text) // 4)]  # a stream: token i is i mod VOCAB
+
+    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
+        return CHAT_MARK + "".join(f"<{m['role']}>{m['content']}" for m in messages)
 
     def open_stream(self, policy: Policy, max_tokens: int) -> FakeStream:
         return FakeStream(policy)
+
+    def open_prefix_cache(self, policy: Policy, max_tokens: int) -> FakePrefixCache:
+        return FakePrefixCache(policy)
 
     def close(self) -> None:
         pass
@@ -98,3 +114,29 @@ class FakeStream:
 
     def layer_sizes(self) -> list[tuple[int, int]]:
         return [(self.fed, self.held)]
+
+
+class FakePrefixCache:
+    """Counts tokens only: what a real cache would hold, without any tensors."""
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+        self.n_tokens = 0
+
+    def extend(self, token_ids: Sequence[int], start: int) -> None:
+        if start != self.n_tokens:
+            raise EngineError(f"extend at {start}, but {self.n_tokens} tokens are cached")
+        self.n_tokens += len(token_ids)
+
+    def keep_prefix(self, n_tokens: int) -> tuple[int, int | None]:
+        # A sliding window still holds the prefix's last TOY_WINDOW tokens only near the end.
+        slid_out = self.policy.kind == "swa" and self.n_tokens - n_tokens > TOY_WINDOW
+        self.n_tokens = 0 if slid_out else min(n_tokens, self.n_tokens)
+        return self.n_tokens, None
+
+    def memory_bytes(self) -> dict[str, float]:
+        held = min(self.n_tokens, TOY_WINDOW) if self.policy.kind == "swa" else self.n_tokens
+        return {"state_bytes": float(held * 64), "checkpoint_bytes": 0.0, "checkpoints": 0.0}
+
+    def close(self) -> None:
+        pass

@@ -63,3 +63,9 @@ def test_marker_signature_is_keyword_only_and_strict() -> None:
 def test_describe_is_compact() -> None:
     budgets = Budgets(max_ppl_increase_pct=25, max_post_eviction_ppl=13.5, max_kv_entries=256)
     assert budgets.describe() == "ppl+<=25%, ppl<=13.50, kv<=256"
+
+
+def test_a_min_budget_may_sit_at_zero_where_the_figure_can_be_negative() -> None:
+    # Sinks that make things worse give a negative gain: "sinks must not hurt" can fail.
+    budgets = Budgets(min_sink_gain_pct=0)
+    assert [v.budget for v in budgets.check({"sink_gain_pct": -3.0})] == ["min_sink_gain_pct"]

@@ -1,77 +1,98 @@
 """The bundled budgets file on the real engines and real bundled models: the proof the gate works.
 
-Every check in fixtures/budgets.yaml runs here (about six minutes on 2 CPU cores); the runs are
-shared with the other engine tests through the plugin's session runner.
+Every check in fixtures/budgets.yaml runs here (about twenty minutes on 2 CPU cores); the runs are
+shared with the other engine tests through the plugin's session runner. The last test writes
+the JSON report of these outcomes and validates it against the documented schema.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from pytest_kvguard.budgets_file import Check, load_budgets_file
+from pytest_kvguard.budgets_file import load_budgets_file
+from pytest_kvguard.outcome import Outcome
+from pytest_kvguard.report import build_report
 from pytest_kvguard.runner import Runner, run_check
+from pytest_kvguard.scenarios.base import Check
 
 pytestmark = pytest.mark.engine
 BUNDLED = load_budgets_file(Path(__file__).parent.parent / "fixtures" / "budgets.yaml")
+SCHEMA = Path(__file__).parent.parent / "pytest_kvguard" / "data" / "report.schema.json"
+OUTCOMES: dict[str, Outcome] = {}
+"""Filled by test_bundled_check, read by the report test that follows it."""
 
 
 def test_the_bundled_file_shows_the_cliff_on_both_engines() -> None:
     """What the gate is for: on each engine a sink policy passes and a pure window is caught."""
     for engine in ("llama_cpp", "mlx"):
         stream = [c for c in BUNDLED.checks if c.engine == engine and c.scenario == "stream"]
-        assert any(c.policy.kind == "sink" and not c.expect_violation for c in stream)
-        assert any(c.policy.kind == "window" and c.expect_violation for c in stream)
-        assert all(c.tokens >= 1500 for c in stream if c.model.name == "smollm2-135m")
+        assert any(c.spec.policy.kind == "sink" and not c.expect_violation for c in stream)
+        assert any(c.spec.policy.kind == "window" and c.expect_violation for c in stream)
+        assert all(c.spec.tokens >= 1500 for c in stream if c.model.name == "smollm2-135m")
 
 
 @pytest.mark.parametrize("check", BUNDLED.checks, ids=lambda c: c.name)
-def test_bundled_check(kvguard_runner: Runner, check: Check) -> None:
+def test_bundled_check(kvguard_runner: Runner, check: Check[Any]) -> None:
     outcome = run_check(kvguard_runner, check)
+    OUTCOMES[check.name] = outcome
     assert outcome.verdict == ("CAUGHT" if check.expect_violation else "PASS"), outcome.violations
-    m = outcome.metrics
+    m, spec = outcome.metrics, check.spec
     if check.scenario == "edit_replay":
-        assert m["reused_tokens"] + m["reprefill_tokens"] == m["prompt_tokens"]
+        # The engine may keep no more than the common prefix, and always re-prefills one token.
         assert m["reused_tokens"] <= min(m["split"], m["prompt_tokens"] - 1)
-        if check.policy.kind in ("full", "swa_full") and check.engine == "llama_cpp":
+        if spec.policy.kind in ("full", "swa_full") and check.engine == "llama_cpp":
             # Nothing slides out of these caches: the whole common prefix is reused.
             assert m["reused_tokens"] == min(m["split"], m["prompt_tokens"] - 1)
         return
     if check.scenario == "memory":
-        # One figure per length, every length reached; a cap holds exactly min(n, cap) entries.
-        assert [s["tokens"] for s in outcome.samples] == list(check.lengths)
-        cap = check.policy.cap
-        if check.policy.kind in ("sink", "window"):
-            assert cap is not None
-            assert [s["held"] for s in outcome.samples] == [min(n, cap) for n in check.lengths]
+        # Every length reached; a cap holds exactly min(n, cap) entries (the engine's count).
+        samples = outcome.detail.samples
+        assert [s["tokens"] for s in samples] == list(spec.lengths)
+        if spec.policy.kind in ("sink", "window"):
+            assert [s["held"] for s in samples] == [min(n, spec.policy.cap) for n in spec.lengths]
         return
     if check.scenario == "sweep":
-        assert check.sweep is not None
-        runs = [(s["positions"], s["sinks"]) for s in outcome.samples]
-        assert runs == [(p, c) for p in check.sweep.positions for c in check.sweep.sinks]
         # Every run held exactly the cap once past it, and evicted from the same token on.
-        assert {s["kv_entries"] for s in outcome.samples} == {check.policy.cap}
-        assert {s["first_eviction"] for s in outcome.samples} == {check.policy.cap}
+        assert {s["kv_entries"] for s in outcome.detail.samples} == {spec.cap}
+        assert {s["first_eviction"] for s in outcome.detail.samples} == {spec.cap}
         return
     if check.scenario == "recall":
         assert m["baseline_recalled"] == 1  # the full cache answers: the probe is answerable
         # Eviction reaches the fact unless every fact token is a pinned sink.
-        evicts = check.policy.kind != "full"
-        assert m["fact_evicted"] == (evicts and check.policy.sinks < m["fact_tokens"])
+        evicts = spec.policy.kind != "full"
+        assert m["fact_evicted"] == (evicts and spec.policy.sinks < m["fact_tokens"])
         return
     if check.scenario == "parity":
-        # Both engines scored every one of the same token ids.
-        assert outcome.tokens == check.tokens and m["mean_abs_nll_diff"] > 0
+        assert outcome.tokens == spec.tokens and m["mean_abs_nll_diff"] > 0
         return
-    cap = check.policy.cap
+    cap = spec.policy.cap
     assert cap is not None
-    if check.policy.kind in ("sink", "window"):
+    if spec.policy.kind in ("sink", "window"):
         assert m["first_eviction"] == cap  # token `cap` is the first that does not fit
         assert m["kv_entries"] == cap
-        assert m["evicted"] == check.tokens - cap
+        assert m["evicted"] == spec.tokens - cap
         # Before the first eviction every policy holds the same tokens: only batching differs.
         assert m["pre_eviction_ppl"] == pytest.approx(m["baseline_pre_eviction_ppl"], rel=2e-3)
-    elif check.policy.kind == "engine_default":
+    elif spec.policy.kind == "engine_default":
         # The finding: the cap was asked for and not applied (some layers keep every token).
-        assert m["kv_entries"] == check.tokens > cap
+        assert m["kv_entries"] == spec.tokens > cap
+
+
+def test_the_real_report_matches_its_schema() -> None:
+    """The JSON report of the bundled checks above, as --kvguard-json writes it, is schema-valid."""
+    import jsonschema
+
+    if not OUTCOMES:
+        pytest.skip("no bundled check ran in this session (deselected)")
+    report = build_report(
+        list(OUTCOMES.values()), budgets_file=str(BUNDLED.path), budgets_sha256=BUNDLED.sha256,
+        missing_checks=[], exitstatus=0,
+    )  # fmt: skip
+    report = json.loads(json.dumps(report))  # exactly what the file holds
+    jsonschema.validate(report, json.loads(SCHEMA.read_text()))
+    assert {c["scenario"] for c in report["checks"]} <= set(json.loads(SCHEMA.read_text())[
+        "$defs"]["details"])  # fmt: skip

@@ -9,8 +9,12 @@ from test_workflows import ACTION, _load
 
 from pytest_kvguard.baseline import COMPARABLE_METRICS
 from pytest_kvguard.budgets import Budgets
-from pytest_kvguard.budgets_file import CHECK_KEYS, SCENARIO_PARAMS, SCENARIOS, TOP_KEYS
+from pytest_kvguard.budgets_file import TOP_KEYS
+from pytest_kvguard.checks import CHECK_KEYS
+from pytest_kvguard.docs import scenarios_markdown
+from pytest_kvguard.options import OPTIONS
 from pytest_kvguard.policies import POLICY_KINDS, POSITION_MODES
+from pytest_kvguard.scenarios import SCENARIOS
 
 ROOT = Path(__file__).parent.parent
 README = (ROOT / "README.md").read_text()
@@ -24,11 +28,17 @@ def test_readme_has_exactly_two_setup_commands_and_ci_runs_the_second() -> None:
     assert tests in (ROOT / ".ci" / "run").read_text().splitlines()
 
 
-def test_every_key_budget_param_policy_and_option_is_documented() -> None:
-    params = [name for names in SCENARIO_PARAMS.values() for name in names]
-    names = [*CHECK_KEYS, *params, *SCENARIOS, *Budgets.names(), *POLICY_KINDS, *POSITION_MODES]
-    names += ["--kvguard", "--kvguard-json", "--kvguard-plot", "--kvguard-baseline"]
-    names += ["kvguard_budgets", "kvguard_json", "kvguard_baseline", *TOP_KEYS]
+def test_readme_carries_the_scenarios_own_parameter_tables() -> None:
+    """The parameter and budget tables in README are the ones the parser reads, verbatim."""
+    section = re.search(r"<!-- scenarios -->\n(.*?)<!-- /scenarios -->", README, flags=re.S)
+    assert section, "README lacks the <!-- scenarios --> section (kvguard-scenarios prints it)"
+    assert section.group(1) == scenarios_markdown()
+
+
+def test_every_key_budget_policy_and_option_is_documented() -> None:
+    names = [*CHECK_KEYS, *SCENARIOS, *Budgets.names(), *POLICY_KINDS, *POSITION_MODES]
+    names += [flag for flag, _, _, _ in OPTIONS] + ["--kvguard-plot", "kvguard_plot"]
+    names += [ini for _, ini, _, _ in OPTIONS] + TOP_KEYS
     names += [*COMPARABLE_METRICS, *_load(ACTION)["inputs"]]
     missing = [name for name in names if f"`{name}" not in README]
     assert not missing

@@ -78,7 +78,7 @@ def write(tmp_path: Path, policy: str = "full", params: str = "{followup: edit, 
 
 def test_defaults_of_other_scenarios_do_not_leak_in(tmp_path: Path) -> None:
     (check,) = load_budgets_file(write(tmp_path)).checks
-    assert check.replay is not None and check.replay.message == 1
+    assert check.spec.message == 1
     assert check.budgets.declared() == {"max_reprefill_tokens": 10}
 
 
@@ -100,7 +100,7 @@ def test_defaults_of_other_scenarios_do_not_leak_in(tmp_path: Path) -> None:
             {"policy": "window"},
             "b.yaml:10: engine 'llama_cpp' does not implement policy 'window' for",
         ),
-        ({"params": "{followup: edit, message: 99}"}, "b.yaml:10: edit needs a message index"),
+        ({"params": "{followup: edit, message: 99}"}, "b.yaml:11: edit needs a message index"),
         ({"params": "{followup: append, chat: none.json}"}, "b.yaml:11: chat file 'none.json'"),
     ],
 )

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_kvguard.engines import check_policy
+from pytest_kvguard.engines import ENGINES, check_policy
 from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.policies import make_policy
+from pytest_kvguard.policies import POLICY_KINDS, make_policy
 
 
 def test_mlx_refuses_reindexed_positions() -> None:
@@ -24,6 +24,15 @@ def test_llama_cpp_has_no_engine_default_yet() -> None:
         check_policy("llama_cpp", make_policy("engine_default", cap=256))
 
 
-def test_supported_combinations_pass() -> None:
-    check_policy("llama_cpp", make_policy("sink", cap=256, positions="absolute", evict_step=128))
-    check_policy("mlx", make_policy("swa", positions="absolute"))
+@pytest.mark.parametrize("engine", ["llama_cpp", "mlx"])
+def test_each_engine_accepts_exactly_the_policies_it_lists(engine: str) -> None:
+    info = ENGINES[engine]
+    positions = info.native_positions
+    for scenario, kinds in info.policies.items():
+        for kind in POLICY_KINDS:
+            policy = make_policy(kind, cap=256, positions=positions)
+            if kind in kinds:
+                assert check_policy(engine, policy, scenario) is None
+            else:
+                with pytest.raises(KvguardError, match=f"does not implement policy '{kind}'"):
+                    check_policy(engine, policy, scenario)

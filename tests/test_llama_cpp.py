@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
+from pytest_kvguard.budgets import Budgets
+from pytest_kvguard.checks import Written, build_check
 from pytest_kvguard.models import ModelRef, read_arch
 from pytest_kvguard.policies import make_policy
-from pytest_kvguard.runner import Runner
-from pytest_kvguard.scenarios.stream import run_stream
+from pytest_kvguard.runner import Runner, run_check
+from pytest_kvguard.scenarios.feeding import run_stream
 from pytest_kvguard.texts import pydoc_topics
 
 pytestmark = pytest.mark.engine
@@ -43,7 +47,8 @@ def test_bundled_models_have_the_documented_architecture() -> None:
 @pytest.mark.kv_budget(max_ppl_increase_pct=25, max_post_eviction_ppl=13.5, max_kv_entries=256)
 def test_marker_on_a_real_engine(kvguard) -> None:  # type: ignore[no-untyped-def]
     outcome = kvguard.stream(policy="sink", cap=256, sinks=4, tokens=1500)
-    assert outcome.metrics["post_eviction_tokens"] == 1499 - 256
+    # llama.cpp's own cell counts: the cap held, every token past it evicted.
+    assert (outcome.metrics["kv_entries"], outcome.metrics["evicted"]) == (256, 1500 - 256)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +62,7 @@ def test_eviction_bookkeeping_matches_the_engine(
     runner: Runner, short_ids: list[int], positions: str, step: int
 ) -> None:
     """The adapter checks llama.cpp's seq positions after every eviction (EngineError if not)."""
-    engine, _ = runner.engine("llama_cpp", SMOLLM2)
+    engine = runner.engine("llama_cpp", SMOLLM2)
     policy = make_policy("sink", cap=64, sinks=4, positions=positions, evict_step=step)
     run = run_stream(engine, policy, short_ids)
     assert run.first_eviction == 64  # tokens 0..63 fill the cache
@@ -66,7 +71,7 @@ def test_eviction_bookkeeping_matches_the_engine(
 
 
 def test_same_run_twice_is_bitwise_identical(runner: Runner, short_ids: list[int]) -> None:
-    engine, _ = runner.engine("llama_cpp", SMOLLM2)
+    engine = runner.engine("llama_cpp", SMOLLM2)
     policy = make_policy("window", cap=64)
     first, second = run_stream(engine, policy, short_ids), run_stream(engine, policy, short_ids)
     assert np.array_equal(first.nll, second.nll)
@@ -83,20 +88,16 @@ def test_same_run_twice_is_bitwise_identical(runner: Runner, short_ids: list[int
 
 def test_edit_replay_counts_are_repeatable(kvguard_runner: Runner) -> None:
     """Token counts and bytes are exact: the same replay twice gives the same figures."""
-    from pytest_kvguard.budgets import Budgets
-    from pytest_kvguard.budgets_file import ReplaySpec
-    from pytest_kvguard.runner import Judging
-
-    policy = make_policy("swa", checkpoints=3, checkpoint_step=1024)
-    spec = ReplaySpec("tutor", "edit", 13)
-    runs = [
-        kvguard_runner.replay_check(
-            Judging("repeat", Budgets()), engine="llama_cpp", model=ModelRef("gemma3-270m"),
-            policy=policy, replay=spec,
-        )[1]
-        for _ in range(2)
-    ]  # fmt: skip
-    first, second = (run.metrics for run in runs)
+    check = build_check(
+        Written.plain({
+            "name": "repeat", "scenario": "edit_replay", "engine": "llama_cpp",
+            "model": "gemma3-270m", "policy": "swa",
+            "params": {"checkpoints": 3, "checkpoint_step": 1024, "followup": "edit",
+                       "message": 13},
+        }),
+        Written(), base_dir=Path("."), marker_budgets=Budgets(),
+    )  # fmt: skip
+    first, second = (run_check(kvguard_runner, check).metrics for _ in range(2))
     assert first == second
     # A checkpoint before the split was restored: less than the whole prompt is re-prefilled.
     assert 0 < first["restored_checkpoint"] <= first["split"]
@@ -120,8 +121,8 @@ def test_state_bytes_match_the_capacity_prediction(
     from pytest_kvguard.capacity import predict_kv_bytes
 
     ref = ModelRef(model)
-    engine, path = kvguard_runner.engine("llama_cpp", ref)
-    arch = read_arch(path)
+    engine = kvguard_runner.engine("llama_cpp", ref)
+    arch = read_arch(ref.resolve())
     ids = kvguard_runner.token_ids("llama_cpp", ref, pydoc_topics(), 3000)
     for n in (1000, 3000):
         cache = engine.open_prefix_cache(make_policy(policy), n)

@@ -8,12 +8,13 @@ import kvguard_fake_engine
 import numpy as np
 import pytest
 
-from pytest_kvguard.budgets import Budgets, format_size
+from pytest_kvguard.budgets import Budgets
 from pytest_kvguard.capacity import arch_from_config, predict_engine_kv_bytes
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.policies import make_policy
+from pytest_kvguard.scenarios.feeding import StreamRun, StreamSample, run_stream
 from pytest_kvguard.scenarios.memory import check_lengths, memory_result
-from pytest_kvguard.scenarios.stream import StreamRun, StreamSample, run_stream
+from pytest_kvguard.units import format_size
 
 GEMMA = arch_from_config(Path(__file__).parent.parent / "fixtures" / "gemma-3-270m.config.json")
 # One token in one Gemma 3 layer: 1 KV head x (256 + 256) elements: 1,024 B at f16, 2,048 B at f32.

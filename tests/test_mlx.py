@@ -11,7 +11,7 @@ import pytest
 from pytest_kvguard.models import ModelRef
 from pytest_kvguard.policies import make_policy
 from pytest_kvguard.runner import Runner
-from pytest_kvguard.scenarios.stream import run_stream
+from pytest_kvguard.scenarios.feeding import perplexity, run_stream
 from pytest_kvguard.texts import pydoc_topics
 
 pytestmark = pytest.mark.engine
@@ -28,7 +28,7 @@ def test_policies_are_mlx_lms_own_caches(kvguard_runner: Runner) -> None:
 
     from pytest_kvguard.engines.mlx import make_caches
 
-    engine, _ = kvguard_runner.engine("mlx", SMOLLM2)
+    engine = kvguard_runner.engine("mlx", SMOLLM2)
     model = engine.model  # type: ignore[attr-defined]
     sink = make_caches(model, make_policy("sink", cap=256, sinks=4, positions="absolute"))
     assert all(type(c) is RotatingKVCache and (c.keep, c.max_size) == (4, 256) for c in sink)
@@ -42,7 +42,7 @@ def test_policies_are_mlx_lms_own_caches(kvguard_runner: Runner) -> None:
 
 
 def test_cache_bytes_match_the_formula(kvguard_runner: Runner, short_ids: list[int]) -> None:
-    engine, path = kvguard_runner.engine("mlx", SMOLLM2)
+    engine = kvguard_runner.engine("mlx", SMOLLM2)
     run = run_stream(engine, make_policy("sink", cap=64, sinks=4, positions="absolute"), short_ids)
     # 30 layers x K,V x 3 KV heads x head dim 64 x 4 bytes (float32 weights give a float32 cache).
     assert run.engine_figures["kv_bytes"] == 30 * 2 * 3 * 64 * 4 * 64
@@ -51,7 +51,7 @@ def test_cache_bytes_match_the_formula(kvguard_runner: Runner, short_ids: list[i
 
 
 def test_same_run_twice_is_bitwise_identical(kvguard_runner: Runner, short_ids: list[int]) -> None:
-    engine, _ = kvguard_runner.engine("mlx", SMOLLM2)
+    engine = kvguard_runner.engine("mlx", SMOLLM2)
     policy = make_policy("window", cap=64, positions="absolute")
     first, second = run_stream(engine, policy, short_ids), run_stream(engine, policy, short_ids)
     assert np.array_equal(first.nll, second.nll)
@@ -67,7 +67,7 @@ def test_same_run_twice_is_bitwise_identical(kvguard_runner: Runner, short_ids: 
 
 
 def test_the_report_says_which_blas_path_ran(kvguard_runner: Runner) -> None:
-    engine, _ = kvguard_runner.engine("mlx", SMOLLM2)
+    engine = kvguard_runner.engine("mlx", SMOLLM2)
     blas = engine.describe()["blas"]
     if sys.platform == "linux" and ctypes.util.find_library("openblas"):
         assert blas.startswith("OpenBLAS")
@@ -76,6 +76,9 @@ def test_the_report_says_which_blas_path_ran(kvguard_runner: Runner) -> None:
 
 
 @pytest.mark.kv_budget(max_mean_abs_nll_diff=0.1, max_ppl_diff_pct=2)
-def test_parity_marker(kvguard) -> None:  # type: ignore[no-untyped-def]
+def test_parity_marker(kvguard, kvguard_runner: Runner) -> None:  # type: ignore[no-untyped-def]
     outcome = kvguard.parity(engines=("llama_cpp", "mlx"), tokens=1500)
-    assert outcome.metrics["reference_ppl"] == pytest.approx(outcome.base_ppl)
+    # The reference is llama.cpp's own full-cache run on the same ids, run again here: bitwise.
+    ids = kvguard_runner.token_ids("llama_cpp", SMOLLM2, pydoc_topics(), 1500)
+    direct = run_stream(kvguard_runner.engine("llama_cpp", SMOLLM2), make_policy("full"), ids)
+    assert outcome.metrics["reference_ppl"] == perplexity(direct.nll)

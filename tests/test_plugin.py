@@ -7,10 +7,7 @@ from pathlib import Path
 from typing import Any
 from xml.etree import ElementTree
 
-import kvguard_fake_engine
 import pytest
-
-from pytest_kvguard.engines import ENGINES, EngineInfo
 
 pytestmark = pytest.mark.usefixtures("fake_engine")
 
@@ -31,23 +28,6 @@ checks:
     expect: violation
     reason: the toy forgets once its sink is gone
 """
-
-
-@pytest.fixture
-def fake_engine(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(ENGINES, "fake", kvguard_fake_engine.INFO)
-    monkeypatch.setitem(
-        ENGINES,
-        "ghost",
-        EngineInfo("ghost", "x", "no_such_engine_mod", "ghost", "pip install ghost"),
-    )
-    monkeypatch.delenv("KVGUARD_FAKE_FAIL", raising=False)
-
-
-@pytest.fixture
-def gate(pytester: pytest.Pytester, tiny_gguf: Path) -> pytest.Pytester:
-    (pytester.path / "tiny.gguf").write_bytes(tiny_gguf.read_bytes())
-    return pytester
 
 
 def write_budgets(pytester: pytest.Pytester, sink_budget: float = 20) -> Path:
@@ -528,7 +508,7 @@ def test_plot_is_written_next_to_the_json(gate: pytest.Pytester) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # The stream checks' samples behind the plot: at the cap and at the end.
     sink = json.loads((gate.path / "out/r.json").read_text())["checks"][0]
-    assert [(s["tokens"], s["held"]) for s in sink["samples"]] == [(64, 64), (400, 64)]
+    assert [(s["tokens"], s["held"]) for s in sink["detail"]["samples"]] == [(64, 64), (400, 64)]
 
 
 def test_plot_without_json_is_a_usage_error(gate: pytest.Pytester) -> None:
@@ -583,10 +563,173 @@ def test_sweep_and_recall_tables(gate: pytest.Pytester) -> None:
         ]
     )
     sweep = json.loads((gate.path / "r.json").read_text())["checks"][0]
-    assert [(s["positions"], s["sinks"]) for s in sweep["samples"]] == [
-        ("reindexed", 0), ("reindexed", 1), ("reindexed", 2),
-        ("absolute", 0), ("absolute", 1), ("absolute", 2),
-    ]  # fmt: skip
     # The toy forgets once its sink is gone: no sinks is far worse, positions do not matter.
     assert sweep["metrics"]["sink_gain_pct"] > 50
     assert sweep["metrics"]["position_gap_pct"] == 0
+
+
+def _schema() -> dict[str, Any]:
+    path = Path(__file__).parent.parent / "pytest_kvguard" / "data" / "report.schema.json"
+    schema: dict[str, Any] = json.loads(path.read_text())
+    return schema
+
+
+def test_report_with_every_kind_of_row_matches_the_schema(
+    gate: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import jsonschema
+
+    from pytest_kvguard.scenarios import SCENARIOS
+
+    assert set(_schema()["$defs"]["details"]) == set(SCENARIOS)  # one detail schema each
+    gate.makefile(".yaml", budgets=SWEEP_AND_RECALL + REPLAY_AND_PARITY)
+    result = gate.runpytest("--kvguard", "budgets.yaml", "--kvguard-json", "r.json")
+    result.assert_outcomes(passed=5)
+    report = json.loads((gate.path / "r.json").read_text())
+    jsonschema.validate(report, _schema())
+    assert report["schema"] == 2 and len(report["checks"]) == 5
+    monkeypatch.setenv("KVGUARD_FAKE_FAIL", "1")  # ERROR rows and an incomplete run validate too
+    gate.runpytest("--kvguard", "budgets.yaml", "--kvguard-json", "r.json", "-x")
+    failed = json.loads((gate.path / "r.json").read_text())
+    jsonschema.validate(failed, _schema())
+    assert failed["complete"] is False and failed["checks"][0]["verdict"] == "ERROR"
+    with pytest.raises(jsonschema.ValidationError):  # the schema can fail: a figure as text
+        report["checks"][0]["metrics"]["post_eviction_ppl"] = "12.1"
+        jsonschema.validate(report, _schema())
+
+
+REPLAY_AND_PARITY = """\
+  - name: toy-replay-swa
+    scenario: edit_replay
+    policy: swa
+    params: {followup: edit, message: 1}
+    budgets: {max_reprefill_fraction: 0.99}
+    expect: violation
+    reason: the toy's sliding window lost the prefix before an early edit
+  - name: toy-replay-full
+    scenario: edit_replay
+    policy: full
+    params: {followup: edit, message: -3}
+    budgets: {min_reused_tokens: 100}
+  - name: toy-parity
+    scenario: parity
+    engines: [fake, fake2]
+    params: {tokens: 400}
+    budgets: {max_mean_abs_nll_diff: 0}
+"""
+
+
+def test_edit_replay_mechanics_on_the_toy_engine(gate: pytest.Pytester) -> None:
+    """The scenario's flow (prefill, common prefix, keep, re-prefill) on the toy's prefix cache."""
+    gate.makefile(".yaml", budgets=SWEEP_AND_RECALL.split("  - name: toy-sweep")[0]
+                  + REPLAY_AND_PARITY)  # fmt: skip
+    result = gate.runpytest("--kvguard", "budgets.yaml", "--kvguard-json", "r.json")
+    result.assert_outcomes(passed=3)
+    result.stdout.fnmatch_lines(["check * follow-up * prompt * split * reused * re-prefilled *"])
+    checks = {c["name"]: c for c in json.loads((gate.path / "r.json").read_text())["checks"]}
+    swa, full = checks["toy-replay-swa"]["metrics"], checks["toy-replay-full"]["metrics"]
+    # The split is where the two rendered prompts' tokens first differ.
+    from kvguard_fake_engine import FakeEngine
+
+    from pytest_kvguard.scenarios.edit_replay import followup, history, load_conversation
+
+    toy, chat = FakeEngine(), load_conversation("tutor", Path("."))
+    before = toy.tokenize(toy.render_chat(history(chat)))
+    after = toy.tokenize(toy.render_chat(followup(chat, "edit", 1)))
+    split = next(i for i, (a, b) in enumerate(zip(before, after, strict=False)) if a != b)
+    assert (swa["split"], swa["prompt_tokens"]) == (split, len(after))
+    assert swa["reused_tokens"] == 0 and swa["reprefill_tokens"] == len(after)  # slid out
+    assert 0 < full["split"] == full["reused_tokens"] < full["prompt_tokens"]  # prefix kept
+    assert checks["toy-parity"]["metrics"]["mean_abs_nll_diff"] == 0  # the same toy twice
+
+
+def test_fixture_and_budgets_file_build_the_same_check(gate: pytest.Pytester) -> None:
+    """One meaning, two spellings: the same keys give the same spec and the same figures."""
+    gate.makefile(
+        ".yaml",
+        budgets="version: 1\nchecks:\n  - name: same\n    scenario: parity\n"
+        "    engines: [fake, fake2]\n    model: tiny.gguf\n    budgets: {max_ppl_diff_pct: 1}\n",
+    )
+    gate.makepyfile(
+        """
+import json
+from pathlib import Path
+from pytest_kvguard.budgets_file import load_budgets_file
+
+def test_same(kvguard):
+    outcome = kvguard.parity(engines=("fake", "fake2"), model="tiny.gguf")
+    (check,) = load_budgets_file(Path("budgets.yaml")).checks
+    assert outcome.tokens == check.spec.tokens == 1500  # the table's default, both ways
+"""
+    )
+    result = gate.runpytest("test_fixture_and_budgets_file_build_the_same_check.py")
+    result.assert_outcomes(passed=1)
+
+
+def test_fixture_refuses_what_the_budgets_file_refuses(gate: pytest.Pytester) -> None:
+    gate.makepyfile(
+        """
+def test_typo(kvguard):
+    kvguard.stream(engine="fake", model="tiny.gguf", policy="sink", cpa=64)
+
+def test_no_scenario(kvguard):
+    kvguard.stream_it()
+"""
+    )
+    result = gate.runpytest()
+    result.assert_outcomes(failed=2)
+    result.stdout.fnmatch_lines(
+        ["*::test_typo: unknown stream parameter 'cpa' (fix: did you mean 'cap'?*",
+         "*kvguard has no scenario 'stream_it' (scenarios: stream, parity, *"]
+    )  # fmt: skip
+    result.stdout.no_fnmatch_line("*During handling*")
+
+
+def test_xdist_controller_alone_writes_report_table_and_summary(
+    gate: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("xdist")
+    summary = gate.path / "summary.md"
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
+    write_budgets(gate)
+    _register_fake_engine_in_subprocesses(gate)
+    result = gate.runpytest_subprocess(
+        "-n", "2", "--kvguard", "budgets.yaml", "--kvguard-json", "r.json"
+    )
+    result.assert_outcomes(passed=2)
+    assert result.stdout.str().count("= kvguard =") == 1
+    text = summary.read_text()
+    assert text.count("## kvguard:") == 1 and text.startswith("## kvguard: pass")
+    report = json.loads((gate.path / "r.json").read_text())
+    assert report["complete"] is True and report["verdict"] == "pass"
+    assert {c["name"] for c in report["checks"]} == {"toy-sink", "toy-window"}
+
+
+def test_xdist_engine_errors_are_rows_of_one_failed_report(
+    gate: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("xdist")
+    summary = gate.path / "summary.md"
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
+    monkeypatch.setenv("KVGUARD_FAKE_FAIL", "1")
+    write_budgets(gate)
+    _register_fake_engine_in_subprocesses(gate)
+    result = gate.runpytest_subprocess(
+        "-n", "2", "--kvguard", "budgets.yaml", "--kvguard-json", "r.json"
+    )
+    result.assert_outcomes(failed=2)
+    report = json.loads((gate.path / "r.json").read_text())
+    assert (report["verdict"], report["complete"]) == ("fail", False)
+    assert sorted(c["verdict"] for c in report["checks"]) == ["ERROR", "ERROR"]
+    text = summary.read_text()
+    assert text.count("## kvguard: FAIL") == 1 and text.count("(ERROR): ") == 2
+
+
+def _register_fake_engine_in_subprocesses(gate: pytest.Pytester) -> None:
+    """xdist workers are new processes: a conftest registers the toy engine in each."""
+    tests = Path(__file__).parent
+    gate.makeconftest(
+        f"import sys\nsys.path.insert(0, {str(tests)!r})\n"
+        "import kvguard_fake_engine\nfrom pytest_kvguard.engines import ENGINES\n"
+        "ENGINES['fake'] = kvguard_fake_engine.INFO\n"
+    )

@@ -10,7 +10,9 @@ import pytest
 
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.policies import make_policy
-from pytest_kvguard.scenarios.stream import _nll, check_reaches_eviction, compare, run_stream
+from pytest_kvguard.scenarios.feeding import nll_of as _nll
+from pytest_kvguard.scenarios.feeding import run_stream
+from pytest_kvguard.scenarios.stream import check_reaches_eviction, compare
 
 
 def test_nll_matches_a_direct_log_softmax() -> None:

@@ -12,7 +12,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -76,6 +76,7 @@ class PrefixCache(Protocol):
     def close(self) -> None: ...
 
 
+@runtime_checkable
 class Engine(Protocol):
     """A loaded model in a real inference engine."""
 

@@ -8,13 +8,8 @@ exactly as llama.cpp's context shift does.
 from __future__ import annotations
 
 import ctypes
-import os
-import re
 import resource
-import sys
-from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,71 +18,12 @@ import llama_cpp as lc
 import numpy as np
 
 from pytest_kvguard.engines import EngineOptions
+from pytest_kvguard.engines.llama_log import buffer_mib, captured_log, init_backend, log_excerpt
 from pytest_kvguard.errors import EngineError
 from pytest_kvguard.policies import Policy
 
 SEQ = 0
 """Every stream runs as sequence 0 of its own context."""
-
-_log_tail: deque[str] = deque(maxlen=40)
-_log_capture: list[str] | None = None
-"""While set, every log fragment is appended here too (to read buffer sizes off the log)."""
-
-
-@lc.llama_log_callback  # type: ignore[untyped-decorator]
-def _keep_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-    # llama.cpp is chatty on stderr; keep the tail so an engine error can quote it.
-    fragment = text.decode("utf-8", "replace")
-    _log_tail.append(fragment)
-    if _log_capture is not None:
-        _log_capture.append(fragment)
-    if _ECHO_LOG:
-        sys.stderr.write(fragment)
-
-
-_ECHO_LOG = bool(os.environ.get("KVGUARD_LLAMA_LOG"))
-
-
-@contextmanager
-def _captured_log() -> Iterator[list[str]]:
-    """The log llama.cpp writes inside the block, as one list of fragments."""
-    global _log_capture
-    captured: list[str] = []
-    _log_capture = captured
-    try:
-        yield captured
-    finally:
-        _log_capture = None
-
-
-_BUFFER_LINE = re.compile(r"(\S+) (model|KV|compute) buffer size =\s*([\d.]+) MiB")
-
-
-def buffer_mib(log: Sequence[str]) -> dict[str, float]:
-    """llama.cpp's own buffer sizes, in bytes, summed per kind over devices: model, KV, compute.
-
-    llama.cpp prints them to two decimals of a MiB, so each is exact to +-5 KiB.
-    """
-    sizes = {"model": 0.0, "KV": 0.0, "compute": 0.0}
-    for _device, kind, mib in _BUFFER_LINE.findall("".join(log)):
-        sizes[kind] += float(mib) * 2**20
-    return sizes
-
-
-def _log_excerpt() -> str:
-    lines = "".join(_log_tail).strip().splitlines()
-    return " | ".join(line.strip() for line in lines[-3:])
-
-
-_backend_ready = False
-
-
-def _init_backend() -> None:
-    global _backend_ready
-    if not _backend_ready:
-        lc.llama_log_set(_keep_log, ctypes.c_void_p(0))
-        lc.llama_backend_init()
-        _backend_ready = True
 
 
 def load(model_path: Path, options: EngineOptions) -> LlamaCppEngine:
@@ -145,7 +81,7 @@ class GgufVocab:
     """llama.cpp's tokenizer alone (vocab-only load): how other engines get identical ids."""
 
     def __init__(self, model_path: Path) -> None:
-        _init_backend()
+        init_backend()
         params = lc.llama_model_default_params()
         params.vocab_only = True
         self.model = lc.llama_model_load_from_file(str(model_path).encode(), params)
@@ -172,15 +108,15 @@ class LlamaCppEngine:
     """Contexts are created with llama.cpp's default cache type, f16."""
 
     def __init__(self, model_path: Path, options: EngineOptions) -> None:
-        _init_backend()
+        init_backend()
         params = lc.llama_model_default_params()
         params.n_gpu_layers = options.n_gpu_layers
-        with _captured_log() as log:
+        with captured_log() as log:
             model = lc.llama_model_load_from_file(str(model_path).encode(), params)
         self.model_buffer_bytes = buffer_mib(log)["model"]
         if not model:
             raise EngineError(
-                f"llama.cpp could not load {model_path}: {_log_excerpt()}",
+                f"llama.cpp could not load {model_path}: {log_excerpt()}",
                 fix="check that the file is a GGUF this llama.cpp build supports",
             )
         self.model = model
@@ -233,12 +169,12 @@ class _Sequence:
         params.n_threads_batch = engine.options.n_threads
         params.swa_full = swa_full
         params.no_perf = True
-        with _captured_log() as log:
+        with captured_log() as log:
             ctx = lc.llama_init_from_model(engine.model, params)
         buffers = buffer_mib(log)
         self.kv_buffer_bytes, self.compute_buffer_bytes = buffers["KV"], buffers["compute"]
         if not ctx:
-            raise EngineError(f"llama.cpp could not create a context: {_log_excerpt()}")
+            raise EngineError(f"llama.cpp could not create a context: {log_excerpt()}")
         self.engine = engine
         self.ctx = ctx
         self.memory = lc.llama_get_memory(ctx)
@@ -256,7 +192,7 @@ class _Sequence:
             batch.logits[i] = 1 if all_logits or i == len(token_ids) - 1 else 0
         status = lc.llama_decode(self.ctx, batch)
         if status != 0:
-            raise EngineError(f"llama_decode returned {status}: {_log_excerpt()}")
+            raise EngineError(f"llama_decode returned {status}: {log_excerpt()}")
 
     def memory_figures(self) -> dict[str, float]:
         """What the cache holds now and what llama.cpp allocated, in bytes.

@@ -1,26 +1,29 @@
-"""Scenarios: what a check does with an engine. They call the Engine protocol only."""
+"""Scenarios: what a check does with an engine. One module per scenario; this is the registry.
+
+A new scenario is one module under ``pytest_kvguard/scenarios/`` with a ``Scenario`` subclass
+(see ``base.py``) and one line below. Scenarios call the Engine protocol only.
+"""
 
 from __future__ import annotations
 
-from pytest_kvguard.errors import KvguardError
+from typing import Any
+
+from pytest_kvguard.scenarios import edit_replay, memory, parity, recall, stream, sweep
+from pytest_kvguard.scenarios.base import Scenario
+
+SCENARIOS: dict[str, Scenario[Any]] = {
+    s.name: s
+    for s in (
+        stream.SCENARIO,
+        parity.SCENARIO,
+        edit_replay.SCENARIO,
+        memory.SCENARIO,
+        sweep.SCENARIO,
+        recall.SCENARIO,
+    )
+}
 
 
-def ascending_counts(
-    values: object, what: str, minimum: int, at_least: int, example: str
-) -> list[int]:
-    """A list of at least ``at_least`` distinct integers >= ``minimum``, ascending, or an error."""
-    if (
-        not isinstance(values, (list, tuple))
-        or len(values) < at_least
-        or any(isinstance(v, bool) or not isinstance(v, int) or v < minimum for v in values)
-    ):
-        raise KvguardError(
-            f"{what} must be a list of at least {at_least} integers >= {minimum}, got {values!r}",
-            fix=f"write e.g. {what}: {example}",
-        )
-    if list(values) != sorted(set(values)):
-        raise KvguardError(
-            f"{what} must be distinct and ascending, got {list(values)}",
-            fix=f"write {what}: {sorted(set(values))}",
-        )
-    return list(values)
+def all_param_names() -> set[str]:
+    """Every parameter any scenario takes (defaults may hold those of other scenarios)."""
+    return {p.name for s in SCENARIOS.values() for p in s.params}

@@ -14,11 +14,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from pytest_kvguard.engines import Engine
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.paths import resolve_under
-from pytest_kvguard.policies import Policy
+from pytest_kvguard.policies import DEFAULT_CHECKPOINT_STEP, Policy
+from pytest_kvguard.scenarios.base import Check, Context, Fields, Measured, Param, Scenario
+from pytest_kvguard.texts import Text
+from pytest_kvguard.units import mib
 
 DEFAULT_CHAT = "tutor"
 FOLLOWUPS = {
@@ -59,7 +63,9 @@ def load_conversation(spec: str, base_dir: Path) -> Conversation:
             raw = resolve_under(spec, base_dir).read_text(encoding="utf-8")
         except OSError as exc:
             raise KvguardError(
-                f"chat file '{spec}': {exc.strerror}", fix="give a JSON chat file"
+                f"chat file '{spec}': {exc.strerror}",
+                fix="give a JSON chat file",
+                key="params.chat",
             ) from None
     try:
         data = json.loads(raw)
@@ -70,6 +76,7 @@ def load_conversation(spec: str, base_dir: Path) -> Conversation:
         raise KvguardError(
             f"chat '{spec}' is not a chat file: {exc}",
             fix='write {"messages": [{"role": "user", "content": "..."}, ...]}',
+            key="params.chat",
         ) from None
     return Conversation(spec, messages)
 
@@ -87,6 +94,7 @@ def followup(conversation: Conversation, kind: str, message: int | None) -> list
             raise KvguardError(
                 f"edit needs a message index within the chat's {len(messages)} messages",
                 fix="set params.message, e.g. 1 (near the start) or -3 (near the end)",
+                key="params.message",
             )
         edited = messages[message]
         messages[message] = Message(edited.role, edited.content + EDIT_SUFFIX, edited.reasoning)
@@ -185,3 +193,104 @@ def run_edit_replay(
     finally:
         cache.close()
     return ReplayRun(policy, len(first_ids), replay, memory, prefill_seconds)
+
+
+@dataclass(frozen=True)
+class ReplaySpec:
+    """The policy a chat is cached under and the follow-up sent after it."""
+
+    policy: Policy
+    chat: str
+    followup: str
+    message: int | None
+
+    def describe_followup(self) -> str:
+        """``edit #13``, ``append``."""
+        return self.followup + (f" #{self.message}" if self.message is not None else "")
+
+
+@dataclass(frozen=True)
+class ReplayDetail:
+    followup: str
+    """The follow-up, as the table shows it: ``edit #13``."""
+
+
+class EditReplayScenario(Scenario[ReplaySpec]):
+    name = "edit_replay"
+    summary = "a cached chat gets a follow-up: count reused and re-prefilled prompt tokens"
+    params = (
+        Param("chat", "str", DEFAULT_CHAT,
+              f"'{DEFAULT_CHAT}' (the bundled 4k-token chat) or a JSON chat file"),
+        Param("followup", "str", None, "edit, regenerate, append or trim_reasoning (required)"),
+        Param("message", "int", None,
+              "edit: index of the edited message (negative counts from the end)"),
+        Param("checkpoints", "int", 0,
+              "swa: keep at most this many sliding-layer checkpoints (0: none)",
+              minimum=0),
+        Param("checkpoint_step", "int", DEFAULT_CHECKPOINT_STEP,
+              "swa: tokens between checkpoints", minimum=1),
+    )  # fmt: skip
+    budgets = ("max_reprefill_tokens", "max_reprefill_fraction", "min_reused_tokens",
+               "max_memory_bytes")  # fmt: skip
+    detail_type = ReplayDetail
+
+    def build(self, fields: Fields) -> ReplaySpec:
+        assert fields.policy is not None
+        p = fields.params
+        policy = fields.policy_of("policy", fields.policy, "edit_replay")
+        kind, message = p["followup"], p["message"]
+        if kind not in FOLLOWUPS:
+            raise KvguardError(
+                "an edit_replay check needs params.followup" if kind is None
+                else f"unknown follow-up '{kind}'",
+                fix="use one of " + ", ".join(FOLLOWUPS),
+                key="params.followup",
+            )  # fmt: skip
+        if (kind == "edit") != (message is not None):
+            raise KvguardError(
+                "params.message goes with followup: edit, and only with it",
+                fix="give the index of the edited message with edit; drop it otherwise",
+                key="params.message" if message is not None else "params.followup",
+            )
+        # Parse the chat now: a bad file or index fails before any engine loads.
+        followup(load_conversation(p["chat"], fields.base_dir), kind, message)
+        return ReplaySpec(policy, p["chat"], kind, message)
+
+    def run(self, ctx: Context, check: Check[ReplaySpec]) -> Measured:
+        """Cache the chat under the policy, send the follow-up, count reused and re-prefilled."""
+        spec = check.spec
+        loaded = ctx.engine(check.engine, check.model)
+        conversation = load_conversation(spec.chat, check.base_dir)
+        first_text = loaded.render_chat(history(conversation))
+        second_text = loaded.render_chat(followup(conversation, spec.followup, spec.message))
+        first_ids, second_ids = loaded.tokenize(first_text), loaded.tokenize(second_text)
+        label = f"{check.engine} {check.model.name} {spec.policy.describe()} {spec.followup}"
+        ctx.say(f"{label}: prefilling {len(first_ids)} tokens, then the follow-up")
+        run = run_edit_replay(loaded, spec.policy, first_ids, second_ids)
+        replay = run.replay
+        ctx.say(f"{label}: reused {replay.reused}, re-prefilled {replay.reprefilled} "
+                f"in {replay.seconds:.1f} s")  # fmt: skip
+        return Measured(
+            policy=spec.policy.describe(),
+            tokens=replay.prompt_tokens,
+            text=Text(spec.chat, first_text),
+            metrics=run.metrics,
+            seconds={"prefill": run.prefill_seconds, "replay": replay.seconds},
+            tokens_per_second=replay.reprefilled / replay.seconds if replay.seconds else 0.0,
+            detail=ReplayDetail(spec.describe_followup()),
+        )
+
+    def table(self, outcomes: Sequence[Any]) -> tuple[list[str], list[list[list[str]]]]:
+        headers = ["follow-up", "prompt", "split", "reused", "re-prefilled", "memory", "replay s"]
+        lines = []
+        for o in outcomes:
+            m = o.metrics
+            lines.append([[
+                o.detail.followup, str(o.tokens), f"{m['split']:.0f}", f"{m['reused_tokens']:.0f}",
+                f"{m['reprefill_tokens']:.0f}", mib(m["memory_bytes"]),
+                f"{o.seconds['replay']:.1f}",
+            ]])  # fmt: skip
+        return headers, lines
+
+
+SCENARIO = EditReplayScenario()

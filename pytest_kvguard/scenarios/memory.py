@@ -9,12 +9,32 @@ the policy allows: the cap or the window was not applied.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-from pytest_kvguard.budgets import format_size
+from pytest_kvguard.budgets import Budgets
+from pytest_kvguard.capacity import load_arch, predict_engine_kv_bytes
 from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.scenarios import ascending_counts
-from pytest_kvguard.scenarios.stream import StreamRun, growth_metric
+from pytest_kvguard.policies import Policy
+from pytest_kvguard.scenarios.base import (
+    CAP,
+    EVICT_STEP,
+    POSITIONS,
+    SINKS,
+    TEXT,
+    Check,
+    Context,
+    Fields,
+    Measured,
+    Param,
+    Scenario,
+    ascending_counts,
+    check_bounded_run,
+    require_text_room,
+)
+from pytest_kvguard.scenarios.feeding import StreamRun, growth_metric
+from pytest_kvguard.texts import load_text
+from pytest_kvguard.units import format_size
 
 DEFAULT_LENGTHS = (512, 1024, 2048, 4096)
 NOT_APPLIED_RATIO = 1.5
@@ -110,3 +130,107 @@ def memory_result(
             )
         )
     return MemoryResult(run, rows)
+
+
+@dataclass(frozen=True)
+class MemorySpec:
+    policy: Policy
+    lengths: tuple[int, ...]
+    text: str
+
+    @property
+    def tokens(self) -> int:
+        return self.lengths[-1]
+
+
+@dataclass(frozen=True)
+class MemoryDetail:
+    samples: list[dict[str, float]] = field(default_factory=list)
+    """One row per length: tokens, held, kv_bytes, predicted_bytes, deviation_pct, ..."""
+    layer_sizes: list[list[int]] = field(default_factory=list)
+
+
+LENGTHS = Param(
+    "lengths",
+    "ints",
+    list(DEFAULT_LENGTHS),
+    "context lengths (tokens fed), ascending, at which KV bytes are measured and predicted",
+    minimum=1,
+)
+
+
+class MemoryScenario(Scenario[MemorySpec]):
+    name = "memory"
+    summary = "KV bytes at several context lengths, measured against the predicted figure"
+    params = (LENGTHS, CAP, SINKS, POSITIONS, EVICT_STEP, TEXT)
+    budgets = (
+        "max_kv_entries", "max_kv_bytes", "max_peak_memory_bytes", "bounded",
+        "max_kv_bytes_per_token", "max_kv_deviation_pct",
+    )  # fmt: skip
+    detail_type = MemoryDetail
+
+    def build(self, fields: Fields) -> MemorySpec:
+        assert fields.policy is not None
+        policy = fields.policy_of("policy", fields.policy, "memory")
+        lengths = tuple(check_lengths(fields.params["lengths"]))
+        require_text_room(fields, lengths[-1], "params.lengths")
+        return MemorySpec(policy, lengths, fields.text_name())
+
+    def check_budgets(self, spec: MemorySpec, budgets: Budgets) -> None:
+        check_bounded_run(spec.policy, spec.tokens, budgets)
+
+    def run(self, ctx: Context, check: Check[MemorySpec]) -> Measured:
+        """One run sampled at each length; measured KV bytes against the engine's prediction."""
+        spec, engine = check.spec, check.engine
+        text = load_text(spec.text, check.base_dir)
+        loaded = ctx.engine(engine, check.model)
+        run, new = ctx.stream_run(engine, check.model, spec.policy, text, spec.tokens,
+                                  lengths=spec.lengths, score=False)  # fmt: skip
+        arch = load_arch(check.model.resolve())
+
+        def predict(n_tokens: int) -> float:
+            return predict_engine_kv_bytes(
+                engine, arch, n_tokens, spec.policy, element_bytes=loaded.kv_element_bytes
+            )
+
+        result = memory_result(run, spec.lengths, predict)
+        for row in result.rows:
+            ctx.say(
+                f"{engine} {check.model.name} {spec.policy.describe()}: {row.tokens} tokens, "
+                f"KV {row.kv_bytes / 2**20:.2f} MiB measured, "
+                f"{row.predicted_bytes / 2**20:.2f} MiB predicted ({row.deviation_pct:+.2f}%)",
+                detail=True,
+            )
+        return Measured(
+            policy=spec.policy.describe(),
+            tokens=spec.tokens,
+            text=text,
+            metrics=result.metrics,
+            seconds={"run": run.seconds if new else 0.0},
+            tokens_per_second=run.tokens_per_second,
+            detail=MemoryDetail(
+                samples=[row.to_json() for row in result.rows],
+                layer_sizes=[list(sizes) for sizes in run.layer_sizes],
+            ),
+            findings=result.findings(),
+        )
+
+    def table(self, outcomes: Sequence[Any]) -> tuple[list[str], list[list[list[str]]]]:
+        """One line per measured length."""
+        headers = ["tokens", "held", "predicted", "measured", "deviation", "peak"]
+        lines = []
+        for o in outcomes:
+            rows = []
+            for s in o.detail.samples:
+                deviation = f"{s['deviation_pct']:+.2f}%"
+                if s["not_applied"]:
+                    deviation += " NOT APPLIED"
+                rows.append([
+                    str(s["tokens"]), str(s["held"]), format_size(s["predicted_bytes"]),
+                    format_size(s["kv_bytes"]), deviation, format_size(s["peak_memory_bytes"]),
+                ])  # fmt: skip
+            lines.append(rows)
+        return headers, lines
+
+
+SCENARIO = MemoryScenario()

@@ -5,11 +5,26 @@ A parity break is how a user sees that one engine changed (a kernel, a RoPE layo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from pytest_kvguard.scenarios.stream import StreamRun, perplexity
+from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.policies import make_policy
+from pytest_kvguard.scenarios.base import (
+    TEXT,
+    TOKENS,
+    Check,
+    Context,
+    Fields,
+    Measured,
+    Scenario,
+    require_text_room,
+)
+from pytest_kvguard.scenarios.feeding import StreamRun, perplexity
+from pytest_kvguard.texts import load_text
 
 
 @dataclass(frozen=True)
@@ -35,3 +50,76 @@ def compare_parity(reference: StreamRun, other: StreamRun) -> ParityResult:
     if reference.n_tokens != other.n_tokens:
         raise ValueError("parity needs the same token ids on both engines")
     return ParityResult(reference, other)
+
+
+@dataclass(frozen=True)
+class ParitySpec:
+    tokens: int
+    text: str
+
+
+@dataclass(frozen=True)
+class ParityDetail:
+    reference: str
+    """The reference engine; the other is compared with it."""
+    other: str
+
+
+class ParityScenario(Scenario[ParitySpec]):
+    name = "parity"
+    summary = "full cache on two engines, same token ids: per-token NLL must agree"
+    params = (TOKENS, TEXT)
+    budgets = ("max_mean_abs_nll_diff", "max_ppl_diff_pct")
+    detail_type = ParityDetail
+    engines = 2
+    takes_policy = False
+    no_policy = ("parity runs the full cache on both engines", "remove '{key}'")
+
+    def build(self, fields: Fields) -> ParitySpec:
+        if fields.engines[0] == fields.engines[1]:
+            raise KvguardError(
+                f"parity compares two engines, and both are '{fields.engine}': it would "
+                "compare a run with itself",
+                fix="write engines: [llama_cpp, mlx]",
+                key="engines",
+            )
+        fields.policy_of("engines", "full")
+        tokens: int = fields.params["tokens"]
+        require_text_room(fields, tokens, "params.tokens")
+        return ParitySpec(tokens, fields.text_name())
+
+    def run(self, ctx: Context, check: Check[ParitySpec]) -> Measured:
+        """Full-cache runs on both engines over the same token ids."""
+        spec = check.spec
+        text = load_text(spec.text, check.base_dir)
+        full = make_policy("full")
+        ref_name, other_name = check.engines
+        ref_run, ref_new = ctx.stream_run(ref_name, check.model, full, text, spec.tokens)
+        other_run, other_new = ctx.stream_run(other_name, check.model, full, text, spec.tokens)
+        return Measured(
+            policy="full",
+            tokens=spec.tokens,
+            text=text,
+            metrics=compare_parity(ref_run, other_run).metrics,
+            seconds={
+                ref_name: ref_run.seconds if ref_new else 0.0,
+                other_name: other_run.seconds if other_new else 0.0,
+            },
+            tokens_per_second=other_run.tokens_per_second,
+            detail=ParityDetail(ref_name, other_name),
+        )
+
+    def table(self, outcomes: Sequence[Any]) -> tuple[list[str], list[list[list[str]]]]:
+        headers = ["tokens", "reference ppl", "other ppl", "delta", "mean |dNLL|", "max |dNLL|"]
+        lines = []
+        for o in outcomes:
+            m = o.metrics
+            lines.append([[
+                str(o.tokens), f"{m['reference_ppl']:.2f} ({o.detail.reference})",
+                f"{m['other_ppl']:.2f} ({o.detail.other})", f"{m['ppl_ratio_pct']:+.1f}%",
+                f"{m['mean_abs_nll_diff']:.3f}", f"{m['max_abs_nll_diff']:.2f}",
+            ]])  # fmt: skip
+        return headers, lines
+
+
+SCENARIO = ParityScenario()

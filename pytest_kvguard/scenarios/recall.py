@@ -13,13 +13,30 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
 import numpy as np
 
+from pytest_kvguard.budgets import Budgets
 from pytest_kvguard.engines import Engine
 from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.policies import Policy
-from pytest_kvguard.scenarios.stream import PREFILL_CHUNK, _nll
+from pytest_kvguard.policies import Policy, make_policy
+from pytest_kvguard.scenarios.base import (
+    CAP,
+    EVICT_STEP,
+    POSITIONS,
+    SINKS,
+    Check,
+    Context,
+    Fields,
+    Measured,
+    Param,
+    Scenario,
+    require_text_room,
+)
+from pytest_kvguard.scenarios.feeding import chunks, nll_of
+from pytest_kvguard.texts import DEFAULT_TEXT, load_text
 
 DEFAULT_FACT = "Note for later: the password of the blue vault is PAPAYA-7.\n\n"
 DEFAULT_QUESTION = "\n\nQuestion: what is the password of the blue vault?\nAnswer: the password is"
@@ -86,26 +103,19 @@ class RecallRun:
 def run_recall(engine: Engine, policy: Policy, prompt: RecallPrompt) -> RecallRun:
     """Feed the prompt under the policy (logits only for its last token), then the answer."""
     ids = prompt.prompt
-    max_chunk = PREFILL_CHUNK
-    if policy.cap is not None:
-        max_chunk = min(max_chunk, policy.cap - policy.sinks)
     started = time.perf_counter()
     stream = engine.open_stream(policy, len(ids) + len(prompt.answer))
     try:
         done = 0
         logits = np.empty(0)
-        while done < len(ids):
-            room = stream.room()
-            chunk = max_chunk if room is None else max(1, min(room, max_chunk))
-            chunk = min(chunk, len(ids) - done)
-            last = done + chunk == len(ids)
-            logits = stream.feed(ids[done : done + chunk], logits=last)
-            done += chunk
+        for size in chunks(stream, policy, len(ids)):
+            logits = stream.feed(ids[done : done + size], logits=done + size == len(ids))
+            done += size
         hits, nll = 0, []
         for token in prompt.answer:
             row = logits[-1:]
             hits += int(np.argmax(row[0]) == token)
-            nll.append(float(_nll(row, np.asarray([token]))[0]))
+            nll.append(float(nll_of(row, np.asarray([token]))[0]))
             logits = stream.feed([token])
         evicted, held = stream.evicted, stream.held
     finally:
@@ -145,3 +155,108 @@ class RecallResult:
             "evicted": float(cand.evicted),
             "kv_entries": float(cand.held),
         }
+
+
+@dataclass(frozen=True)
+class RecallSpec:
+    policy: Policy
+    fact: str = DEFAULT_FACT
+    question: str = DEFAULT_QUESTION
+    answer: str = DEFAULT_ANSWER
+    filler_tokens: int = DEFAULT_FILLER_TOKENS
+    text: str = DEFAULT_TEXT
+
+
+@dataclass(frozen=True)
+class RecallDetail:
+    """Everything the recall table shows is a figure in ``metrics``."""
+
+
+class RecallScenario(Scenario[RecallSpec]):
+    name = "recall"
+    summary = "a fact before the window, asked about after a long filler: recalled or lost"
+    params = (
+        CAP, SINKS, POSITIONS, EVICT_STEP,
+        Param("text", "str", DEFAULT_TEXT, "where the filler comes from: 'pydoc' or a UTF-8 file"),
+        Param("filler_tokens", "int", DEFAULT_FILLER_TOKENS,
+              "tokens of filler between the fact and the question", minimum=1),
+        Param("fact", "str", DEFAULT_FACT, "the sentence placed first"),
+        Param("question", "str", DEFAULT_QUESTION, "the question placed after the filler"),
+        Param("answer", "str", DEFAULT_ANSWER,
+              "the expected answer, teacher-forced; start it with a space"),
+    )  # fmt: skip
+    budgets = ("max_kv_entries", "must_recall", "must_forget")
+    detail_type = RecallDetail
+
+    def build(self, fields: Fields) -> RecallSpec:
+        assert fields.policy is not None
+        policy = fields.policy_of("policy", fields.policy)
+        p = fields.params
+        for key in ("fact", "question", "answer"):
+            if not p[key].strip():
+                raise KvguardError(f"params.{key} is empty", fix=f"write the {key} as text",
+                                   key=f"params.{key}")  # fmt: skip
+        require_text_room(fields, p["filler_tokens"] + 1, "params.filler_tokens")
+        return RecallSpec(policy, p["fact"], p["question"], p["answer"], p["filler_tokens"],
+                          fields.text_name())  # fmt: skip
+
+    def check_budgets(self, spec: RecallSpec, budgets: Budgets) -> None:
+        if budgets.must_forget and not spec.policy.bounded:
+            raise KvguardError(
+                f"must_forget with policy '{spec.policy.kind}', which never evicts: it could "
+                "never pass",
+                fix="use a bounded policy (window, sink), or must_recall",
+                key="budgets.must_forget",
+            )
+
+    def run(self, ctx: Context, check: Check[RecallSpec]) -> Measured:
+        """The fact, the filler and the question under the policy and under the full cache."""
+        spec, engine = check.spec, check.engine
+        text = load_text(spec.text, check.base_dir)
+        loaded = ctx.engine(engine, check.model)
+        filler = ctx.token_ids(engine, check.model, text, spec.filler_tokens + 1)
+        prompt = build_prompt(loaded, spec.fact, filler, spec.question, spec.answer)
+        runs, fresh = [], []
+        for candidate in (spec.policy, make_policy("full")):
+            # The full-cache run is shared by every recall check of the same prompt.
+            key = ("recall", engine, check.model.resolve(), candidate, tuple(prompt.prompt),
+                   tuple(prompt.answer))  # fmt: skip
+            run, new = ctx.memo(key, partial(run_recall, loaded, candidate, prompt))
+            if new:
+                ctx.say(
+                    f"{engine} {check.model.name} {candidate.describe()}: recall "
+                    f"{run.answer_hits}/{run.answer_tokens} answer tokens after "
+                    f"{run.prompt_tokens} prompt tokens in {run.seconds:.1f} s"
+                )
+            runs.append(run)
+            fresh.append(new)
+        result = RecallResult(*runs)
+        return Measured(
+            policy=spec.policy.describe(),
+            tokens=len(prompt.prompt),
+            text=text,
+            metrics=result.metrics,
+            seconds={
+                "candidate": runs[0].seconds if fresh[0] else 0.0,
+                "baseline": runs[1].seconds if fresh[1] else 0.0,
+            },
+            tokens_per_second=runs[0].prompt_tokens / runs[0].seconds if runs[0].seconds else 0.0,
+            detail=RecallDetail(),
+        )
+
+    def table(self, outcomes: Sequence[Any]) -> tuple[list[str], list[list[list[str]]]]:
+        headers = ["prompt", "fact evicted", "recalled", "full cache"]
+        lines = []
+        for o in outcomes:
+            m = o.metrics
+            hits = f"{m['answer_hits']:.0f}/{m['answer_tokens']:.0f}"
+            lines.append([[
+                str(o.tokens), "yes" if m["fact_evicted"] else "no",
+                f"{'yes' if m['recalled'] else 'no'} ({hits}, nll {m['answer_nll']:.2f})",
+                f"{'yes' if m['baseline_recalled'] else 'no'} "
+                f"(nll {m['baseline_answer_nll']:.2f})",
+            ]])  # fmt: skip
+        return headers, lines
+
+
+SCENARIO = RecallScenario()

@@ -7,70 +7,30 @@ ids, so the delta compares like with like.
 
 from __future__ import annotations
 
-import math
-import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-import numpy as np
-
-from pytest_kvguard.engines import Engine
+from pytest_kvguard.budgets import Budgets
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.policies import Policy
-
-PREFILL_CHUNK = 256
-"""Tokens decoded per call while no eviction is due; one at a time once it is."""
-
-Progress = Callable[[int, int], None]
-"""Called as progress(tokens_done, tokens_total)."""
-
-
-@dataclass(frozen=True)
-class StreamSample:
-    """What the cache held after the first ``tokens`` tokens were fed."""
-
-    tokens: int
-    held: int
-    """KV entries held (the largest layer)."""
-    figures: dict[str, float]
-    """The engine's memory figures at that moment (kv_bytes, peak_memory_bytes, ...)."""
-
-
-@dataclass(frozen=True)
-class StreamRun:
-    """One policy's pass over the token ids."""
-
-    policy: Policy
-    n_tokens: int
-    nll: np.ndarray = field(repr=False)
-    """nll[i] = -log p(token[i+1] | what the cache held after feeding token i)."""
-    first_eviction: int | None
-    """Index of the first token fed after an eviction; None if nothing was evicted."""
-    kv_entries: int
-    """KV entries held at the end (the largest layer)."""
-    evicted: int
-    seconds: float
-    engine_figures: dict[str, float] = field(default_factory=dict)
-    """What the engine measured at the end: cache bytes, peak memory, ..."""
-    layer_sizes: list[tuple[int, int]] = field(default_factory=list)
-    """(tokens seen, entries held) per layer, where the engine exposes it."""
-    samples: list[StreamSample] = field(default_factory=list)
-    """Figures at the sample points: the cap, any lengths asked for, and the end."""
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.n_tokens / self.seconds if self.seconds else math.inf
-
-    def sample(self, tokens: int) -> StreamSample:
-        return next(s for s in self.samples if s.tokens == tokens)
-
-    def kv_growth_after_cap(self) -> float | None:
-        """KV bytes gained between reaching the cap and the end; None without a cap or figure."""
-        cap = self.policy.cap
-        if cap is None or cap >= self.n_tokens or "kv_bytes" not in self.engine_figures:
-            return None
-        at_cap = self.sample(cap).figures["kv_bytes"]
-        return max(s.figures["kv_bytes"] for s in self.samples if s.tokens >= cap) - at_cap
+from pytest_kvguard.scenarios.base import (
+    CAP,
+    EVICT_STEP,
+    POSITIONS,
+    SINKS,
+    TEXT,
+    TOKENS,
+    Check,
+    Context,
+    Fields,
+    Measured,
+    Scenario,
+    check_bounded_run,
+    require_text_room,
+)
+from pytest_kvguard.scenarios.feeding import StreamRun, growth_metric, perplexity
+from pytest_kvguard.texts import load_text
 
 
 def check_reaches_eviction(policy: Policy, n_tokens: int) -> None:
@@ -79,6 +39,7 @@ def check_reaches_eviction(policy: Policy, n_tokens: int) -> None:
         raise KvguardError(
             "policy 'full' never evicts, so the stream scenario has nothing to judge",
             fix="use a bounded policy (window, sink) as the candidate and full as the baseline",
+            key="policy",
         )
     if policy.cap is None:
         return  # swa: the model's window decides; a run that never evicts is refused later
@@ -86,90 +47,8 @@ def check_reaches_eviction(policy: Policy, n_tokens: int) -> None:
         raise KvguardError(
             f"tokens {n_tokens} <= cap {policy.cap}: eviction would never start",
             fix=f"raise tokens well past the cap (e.g. {policy.cap * 6}) or lower the cap",
+            key="params.tokens",
         )
-
-
-def sample_points(policy: Policy, n_tokens: int, lengths: Collection[int] = ()) -> list[int]:
-    """Where a run records the engine's figures: the cap (if reached), ``lengths``, the end."""
-    points = {n_tokens, *(length for length in lengths if 0 < length <= n_tokens)}
-    if policy.cap is not None and policy.cap < n_tokens:
-        points.add(policy.cap)
-    return sorted(points)
-
-
-def run_stream(
-    engine: Engine,
-    policy: Policy,
-    token_ids: Sequence[int],
-    progress: Progress | None = None,
-    lengths: Collection[int] = (),
-    score: bool = True,
-) -> StreamRun:
-    """Feed ``token_ids`` through a fresh stream under ``policy`` and score every next token.
-
-    The engine's figures are sampled at ``sample_points``; chunks end exactly on them.
-    ``score=False`` asks the engine for no logits (memory runs): ``nll`` is then empty.
-    """
-    n = len(token_ids)
-    points = sample_points(policy, n, lengths)
-    samples: list[StreamSample] = []
-    targets = np.asarray(token_ids[1:], dtype=np.int64)
-    nll = np.empty(n - 1 if score else 0, dtype=np.float64)
-    first_eviction: int | None = None
-    max_chunk = PREFILL_CHUNK
-    if policy.cap is not None:
-        max_chunk = min(max_chunk, policy.cap - policy.sinks)
-    started = time.perf_counter()
-    stream = engine.open_stream(policy, n)
-    try:
-        done = 0
-        next_report = 0
-        while done < n:
-            room = stream.room()
-            chunk = max_chunk if room is None else max(1, min(room, max_chunk))
-            chunk = min(chunk, next(p for p in points if p > done) - done)
-            evicted_before = stream.evicted
-            logits = stream.feed(token_ids[done : done + chunk], logits=score)
-            if first_eviction is None and stream.evicted > evicted_before:
-                first_eviction = done
-            scored = min(chunk, n - 1 - done)  # the last token has nothing left to predict
-            if score and scored > 0:
-                nll[done : done + scored] = _nll(logits[:scored], targets[done : done + scored])
-            done += chunk
-            if done in points:
-                samples.append(StreamSample(done, stream.held, stream.figures()))
-            if progress is not None and (done >= next_report or done == n):
-                progress(done, n)
-                next_report = done + max(1, n // 4)
-        held, evicted = stream.held, stream.evicted
-        figures, layer_sizes = samples[-1].figures, stream.layer_sizes()
-    finally:
-        stream.close()
-    return StreamRun(
-        policy=policy,
-        n_tokens=n,
-        nll=nll,
-        first_eviction=first_eviction,
-        kv_entries=held,
-        evicted=evicted,
-        seconds=time.perf_counter() - started,
-        engine_figures=figures,
-        layer_sizes=layer_sizes,
-        samples=samples,
-    )
-
-
-def _nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
-    """Negative log-likelihood of each target under a row of logits (stable log-softmax)."""
-    wide = logits.astype(np.float64)
-    peak = wide.max(axis=1)
-    log_norm = peak + np.log(np.exp(wide - peak[:, None]).sum(axis=1))
-    result: np.ndarray = log_norm - wide[np.arange(len(targets)), targets]
-    return result
-
-
-def perplexity(nll: np.ndarray) -> float:
-    return float(math.exp(float(nll.mean()))) if len(nll) else math.nan
 
 
 @dataclass(frozen=True)
@@ -207,12 +86,6 @@ class StreamResult:
         }
 
 
-def growth_metric(run: StreamRun) -> dict[str, float]:
-    """``kv_growth_after_cap_bytes`` where the run has a cap and a kv_bytes figure."""
-    growth = run.kv_growth_after_cap()
-    return {} if growth is None else {"kv_growth_after_cap_bytes": growth}
-
-
 def compare(candidate: StreamRun, baseline: StreamRun) -> StreamResult:
     # A capped policy that never evicted is a finding (the cap was not applied), not an error.
     if candidate.first_eviction is None and candidate.policy.cap is None:
@@ -223,3 +96,95 @@ def compare(candidate: StreamRun, baseline: StreamRun) -> StreamResult:
     if candidate.n_tokens != baseline.n_tokens:
         raise ValueError("candidate and baseline must score the same token ids")
     return StreamResult(candidate, baseline)
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    policy: Policy
+    baseline: Policy
+    """The policy the delta is measured against (default full)."""
+    tokens: int
+    text: str
+
+
+@dataclass(frozen=True)
+class StreamDetail:
+    baseline: str
+    """The baseline policy, as the table shows it."""
+    layer_sizes: list[list[int]] = field(default_factory=list)
+    """(tokens seen, entries held) per layer for the candidate, where the engine exposes it."""
+    samples: list[dict[str, float]] = field(default_factory=list)
+    """KV figures at the cap and at the end: tokens, held, kv_bytes, ..."""
+
+
+class StreamScenario(Scenario[StreamSpec]):
+    name = "stream"
+    summary = "feed a long text far past the cache's capacity, score every next token"
+    params = (TOKENS, CAP, SINKS, POSITIONS, EVICT_STEP, TEXT)
+    budgets = (
+        "max_ppl_increase_pct", "max_post_eviction_ppl", "max_kv_entries", "max_kv_bytes",
+        "max_peak_memory_bytes", "bounded",
+    )  # fmt: skip
+    detail_type = StreamDetail
+    takes_baseline = True
+
+    def build(self, fields: Fields) -> StreamSpec:
+        assert fields.policy is not None
+        policy = fields.policy_of("policy", fields.policy)
+        baseline = fields.policy_of("baseline", fields.baseline or "full")
+        tokens: int = fields.params["tokens"]
+        check_reaches_eviction(policy, tokens)
+        if baseline == policy:
+            raise KvguardError(
+                f"baseline {baseline.describe()} is the candidate policy itself: the delta "
+                "would be 0 whatever the engine does",
+                fix="compare with baseline: full (the default)",
+                key="baseline",
+            )
+        require_text_room(fields, tokens, "params.tokens")
+        return StreamSpec(policy, baseline, tokens, fields.text_name())
+
+    def check_budgets(self, spec: StreamSpec, budgets: Budgets) -> None:
+        check_bounded_run(spec.policy, spec.tokens, budgets)
+
+    def run(self, ctx: Context, check: Check[StreamSpec]) -> Measured:
+        """Run candidate and baseline on the same token ids."""
+        spec = check.spec
+        text = load_text(spec.text, check.base_dir)
+        base_run, base_new = ctx.stream_run(check.engine, check.model, spec.baseline, text,
+                                            spec.tokens)  # fmt: skip
+        cand_run, cand_new = ctx.stream_run(check.engine, check.model, spec.policy, text,
+                                            spec.tokens)  # fmt: skip
+        result = compare(cand_run, base_run)
+        return Measured(
+            policy=spec.policy.describe(),
+            tokens=spec.tokens,
+            text=text,
+            metrics=result.metrics,
+            seconds={
+                "candidate": cand_run.seconds if cand_new else 0.0,
+                "baseline": base_run.seconds if base_new else 0.0,
+            },
+            tokens_per_second=cand_run.tokens_per_second,
+            detail=StreamDetail(
+                baseline=spec.baseline.describe(),
+                layer_sizes=[list(sizes) for sizes in cand_run.layer_sizes],
+                samples=[
+                    {"tokens": s.tokens, "held": s.held, **s.figures} for s in cand_run.samples
+                ],
+            ),  # fmt: skip
+        )
+
+    def table(self, outcomes: Sequence[Any]) -> tuple[list[str], list[list[list[str]]]]:
+        headers = ["tokens", "baseline", "base ppl", "ppl", "delta"]
+        lines = []
+        for o in outcomes:
+            m = o.metrics
+            lines.append([[
+                str(o.tokens), o.detail.baseline, f"{m['baseline_post_eviction_ppl']:.2f}",
+                f"{m['post_eviction_ppl']:.2f}", f"{m['ppl_increase_pct']:+.1f}%",
+            ]])  # fmt: skip
+        return headers, lines
+
+
+SCENARIO = StreamScenario()

@@ -1,0 +1,80 @@
+"""The ``kvguard`` fixture: run any scenario from a hand-written test, judged by its marker.
+
+``kvguard.stream(policy="sink", cap=256)`` (or ``kvguard.run("stream", ...)``) takes the check
+keys ``engine``, ``engines``, ``model``, ``policy`` and ``baseline`` and the scenario's
+parameters as keywords, and builds the check exactly as a budgets-file entry with the same keys
+would be built (same parameter table, same defaults, same validation). ``FIXTURE_DEFAULTS``
+plays the part of a budgets file's ``defaults:``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import pytest
+
+from pytest_kvguard.budgets import Budgets
+from pytest_kvguard.checks import Written, build_check
+from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.outcome import Outcome
+from pytest_kvguard.runner import run_check
+from pytest_kvguard.scenarios import SCENARIOS
+from pytest_kvguard.session import against_baseline, record, session_runner
+
+FIXTURE_DEFAULTS = {"engine": "llama_cpp", "engines": ["llama_cpp", "mlx"], "model": "smollm2-135m"}
+"""What a fixture call gets where it names no engine or model: the bundled default model on
+llama.cpp (parity: llama.cpp against mlx)."""
+CHECK_KEYWORDS = ("engine", "engines", "model", "policy", "baseline")
+"""Keywords that are check keys; every other keyword is a scenario parameter."""
+
+
+class KvguardFixture:
+    """Runs scenarios from a hand-written test; the test's kv_budget marker judges them.
+
+    Every registered scenario is a method: ``kvguard.stream(...)``, ``kvguard.parity(...)``,
+    ``kvguard.edit_replay(...)``, ``kvguard.memory(...)``, ``kvguard.sweep(...)``,
+    ``kvguard.recall(...)``.
+    """
+
+    def __init__(self, request: pytest.FixtureRequest) -> None:
+        self._request = request
+        marker = request.node.get_closest_marker("kv_budget")
+        self.budgets = Budgets(**marker.kwargs) if marker else Budgets()
+
+    def __getattr__(self, name: str) -> Callable[..., Outcome]:
+        if name in SCENARIOS:
+            return partial(self.run, name)
+        raise AttributeError(
+            f"kvguard has no scenario '{name}' (scenarios: {', '.join(SCENARIOS)})"
+        )
+
+    def run(self, scenario: str, **settings: Any) -> Outcome:
+        """Run ``scenario`` for this test under its kv_budget marker, and record the figures."""
+        node = self._request.node
+        given = {k: v for k, v in settings.items() if v is not None}  # None: not given
+        entry = Written.plain(
+            {
+                "name": node.name,
+                "scenario": scenario,
+                **{k: v for k, v in given.items() if k in CHECK_KEYWORDS},
+                "params": {k: v for k, v in given.items() if k not in CHECK_KEYWORDS},
+            }
+        )
+        try:
+            check = build_check(
+                entry,
+                Written.plain(FIXTURE_DEFAULTS),
+                base_dir=node.path.parent,
+                where=node.nodeid,
+                marker_budgets=self.budgets,
+            )
+            outcome = run_check(session_runner(node.config), check)
+        except KvguardError as exc:
+            error = f"{node.nodeid}: {exc}"
+        else:
+            outcome = against_baseline(node.config, outcome)
+            record(node, outcome)
+            return outcome
+        pytest.fail(error, pytrace=False)  # outside the except: no chained traceback

@@ -1,0 +1,142 @@
+"""The session's end: the table, the JSON report, the plots and the GitHub step summary.
+
+Rows arrive on test reports, so this works on the xdist controller, which runs no check; it is
+registered on the controller (or a plain session) only, so a run writes each output once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pytest_kvguard.outcome import Row, row_from_json
+from pytest_kvguard.plot import plot_path, write_kv_plot, write_sweep_plot
+from pytest_kvguard.report import build_report, machine, render_table, step_summary, write_json
+from pytest_kvguard.session import BASELINE_KEY, BUDGETS_KEY, PROPERTY
+
+
+def baseline_warning(config: pytest.Config) -> str | None:
+    """Said loudly: a baseline from another kind of machine is compared all the same."""
+    baseline = config.stash.get(BASELINE_KEY, None)
+    differences = baseline.differences(machine()) if baseline else []
+    if not differences:
+        return None
+    return (
+        "kvguard WARNING: the baseline comes from a different machine ("
+        + "; ".join(differences)
+        + "): figures may move for that reason alone"
+    )
+
+
+class KvguardReporter:
+    """Collects every check's row as reports arrive, then prints the table and writes files."""
+
+    def __init__(self, config: pytest.Config, json_path: Path | None, plot: bool) -> None:
+        self.config = config
+        self.rows: dict[str, list[Row]] = {}
+        self.expected: set[str] = set()
+        """Node ids of the budgets-file checks collected (here or on the xdist workers)."""
+        self.json_path = json_path
+        self.plot = plot
+        self.json_error: str | None = None
+        self.plot_paths: list[Path] = []
+
+    def expect(self, node_ids: list[str]) -> None:
+        self.expected.update(node_ids)
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        rows = [row_from_json(json.loads(str(v))) for k, v in report.user_properties
+                if k == PROPERTY]  # fmt: skip
+        if rows and (report.when == "call" or report.failed):
+            self.rows[report.nodeid] = rows
+
+    def all_rows(self) -> list[Row]:
+        return [row for rows in self.rows.values() for row in rows]
+
+    def missing(self) -> list[str]:
+        return sorted(self.expected - self.rows.keys())
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        self._write_step_summary(int(exitstatus))
+        if self.json_path is None:
+            return
+        budgets_file = self.config.stash.get(BUDGETS_KEY, None)
+        baseline = self.config.stash.get(BASELINE_KEY, None)
+        rows = self.all_rows()
+        report = build_report(
+            rows,
+            budgets_file=str(budgets_file.path) if budgets_file else None,
+            budgets_sha256=budgets_file.sha256 if budgets_file else None,
+            missing_checks=self.missing(),
+            exitstatus=int(exitstatus),
+            baseline=None
+            if baseline is None
+            else {"path": str(baseline.path), "differences": baseline.differences(machine())},
+        )
+        try:
+            write_json(self.json_path, report)
+            if self.plot:
+                for kind, write in (("kv-bytes", write_kv_plot), ("sink-sweep", write_sweep_plot)):
+                    target = plot_path(self.json_path, kind)
+                    if write(rows, target):
+                        self.plot_paths.append(target)
+        except OSError as exc:
+            self.json_error = f"cannot write {exc.filename or self.json_path}: {exc.strerror}"
+            session.exitstatus = pytest.ExitCode.INTERNAL_ERROR
+
+    def _write_step_summary(self, exitstatus: int) -> None:
+        """On GitHub Actions ($GITHUB_STEP_SUMMARY set): the tables as Markdown, appended."""
+        target = os.environ.get("GITHUB_STEP_SUMMARY")
+        rows = self.all_rows()
+        if not target or not (rows or self.expected):
+            return
+        text = step_summary(rows, exitstatus=exitstatus, missing=self.missing(),
+                            warning=baseline_warning(self.config))  # fmt: skip
+        try:
+            with open(target, "a", encoding="utf-8") as summary:
+                summary.write(text)
+        except OSError as exc:
+            self.json_error = f"cannot append to $GITHUB_STEP_SUMMARY {target}: {exc.strerror}"
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        rows = self.all_rows()
+        warning = baseline_warning(self.config)
+        if warning:
+            terminalreporter.write_line(warning, yellow=True, bold=True)
+        changes: dict[str, int] = {}
+        for row in rows:
+            for change in getattr(row, "baseline_changes", []):
+                changes[change] = changes.get(change, 0) + 1
+        if changes:
+            terminalreporter.write_line(
+                "kvguard: changed since the baseline: "
+                + "; ".join(f"{c} ({n} check{'s' * (n != 1)})" for c, n in changes.items()),
+                yellow=True,
+            )
+        if rows:
+            terminalreporter.write_sep("=", "kvguard")
+            terminalreporter.write_line(render_table(rows))
+            if any(row.scenario == "stream" for row in rows):
+                terminalreporter.write_line(
+                    "ppl = perplexity over the tokens fed after the first eviction; "
+                    "delta = candidate vs baseline on the same token ids."
+                )
+        missing = self.missing()
+        if missing:
+            terminalreporter.write_line(
+                f"kvguard: {len(missing)} check(s) collected but never ran: " + ", ".join(missing),
+                red=True,
+            )
+        if self.json_error:
+            terminalreporter.write_line(f"kvguard: ERROR {self.json_error}", red=True)
+        elif self.json_path is not None:
+            terminalreporter.write_line(f"kvguard: JSON report written to {self.json_path}")
+            for target in self.plot_paths:
+                terminalreporter.write_line(f"kvguard: plot written to {target}")
+            if self.plot and not self.plot_paths:
+                terminalreporter.write_line("kvguard: no plot (no memory, stream or sweep figures)")

@@ -1,0 +1,308 @@
+"""What a scenario slice is made of, and what it is given to run with.
+
+A slice (one module under ``pytest_kvguard/scenarios/``) owns, for its scenario: the parameter
+table (name, type, default, one-line doc), a frozen spec built and validated from it, the run,
+a typed detail for the report, its table, and the budgets that apply. The budgets file and the
+``kvguard`` fixture both build specs through the same ``Scenario.build``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
+
+from pytest_kvguard.budgets import Budgets
+from pytest_kvguard.engines import Engine, check_policy, check_policy_kind, engine_info
+from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.models import ModelRef
+from pytest_kvguard.policies import DEFAULT_CHECKPOINT_STEP, POLICY_KINDS, Policy, make_policy
+from pytest_kvguard.scenarios.feeding import StreamRun
+from pytest_kvguard.texts import DEFAULT_TEXT, Text, load_text
+
+SpecT = TypeVar("SpecT")
+T = TypeVar("T")
+
+PARAM_KINDS = {"int": "an integer", "str": "a string", "ints": "a list of integers",
+               "strs": "a list of names"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Param:
+    """One scenario parameter: what the YAML ``params:`` key and the fixture keyword take."""
+
+    name: str
+    kind: str
+    """int, str, ints (a list of integers) or strs (a list of names)."""
+    default: Any
+    """The value when not given; None: not given (the slice decides what that means)."""
+    doc: str
+    """One line for README and --help-style listings."""
+    minimum: int | None = None
+    """Integers (and list items) below this are refused."""
+
+    def read(self, value: Any) -> Any:
+        """``value`` checked against the kind and minimum; errors name ``params.NAME``."""
+        key = f"params.{self.name}"
+        items = value if self.kind in ("ints", "strs") else [value]
+        if self.kind in ("ints", "strs") and not isinstance(value, (list, tuple)):
+            items = None
+        wanted = int if self.kind in ("int", "ints") else str
+        if items is None or any(isinstance(v, bool) or not isinstance(v, wanted) for v in items):
+            raise KvguardError(
+                f"{key} must be {PARAM_KINDS[self.kind]}, got {value!r}",
+                fix=f"write {key} as {PARAM_KINDS[self.kind]}",
+                key=key,
+            )
+        if self.minimum is not None and any(v < self.minimum for v in items):
+            raise KvguardError(
+                f"{key} must be >= {self.minimum}, got {value!r}",
+                fix=f"use {self.name}: {self.minimum} or more",
+                key=key,
+            )
+        return list(value) if self.kind in ("ints", "strs") else value
+
+
+# Parameters several scenarios share, documented once.
+TOKENS = Param("tokens", "int", 1500, "token ids fed", minimum=2)
+CAP = Param("cap", "int", None, "KV entries kept per layer, sinks included", minimum=2)
+SINKS = Param("sinks", "int", None, "pinned leading tokens (sink policy; default 4)", minimum=0)
+POSITIONS = Param(
+    "positions",
+    "str",
+    None,
+    "reindexed (llama.cpp context shift) or absolute (mlx-lm); default: the engine's own "
+    "(llama_cpp reindexed, mlx absolute)",
+)
+EVICT_STEP = Param("evict_step", "int", 1, "tokens dropped per eviction", minimum=1)
+TEXT = Param(
+    "text",
+    "str",
+    DEFAULT_TEXT,
+    f"'{DEFAULT_TEXT}' (CPython's pydoc topics) or a UTF-8 file, relative to the budgets file",
+)
+
+
+@dataclass(frozen=True)
+class Fields:
+    """A check's settings as written (YAML or fixture keywords), parameters read and typed."""
+
+    engines: tuple[str, ...]
+    policy: str | None
+    """The policy kind as written; None where not given."""
+    baseline: str | None
+    params: Mapping[str, Any]
+    """Every parameter of the scenario's table: the value given, or the table's default."""
+    base_dir: Path
+    """Where relative text and chat files are found."""
+
+    @property
+    def engine(self) -> str:
+        return self.engines[0]
+
+    def positions(self) -> str:
+        """The position handling asked for, or the engine's own."""
+        value: str | None = self.params.get("positions")
+        return engine_info(self.engine).native_positions if value is None else value
+
+    def policy_of(
+        self, key: str, kind: str, engine_scenario: str = "stream", *, with_params: bool = True
+    ) -> Policy:
+        """The policy ``kind`` with this check's cap, sinks, positions and eviction step (with
+        ``with_params=False``: none of them), which every engine of the check must implement;
+        errors point at ``key``."""
+        p = self.params if with_params else {}
+        try:
+            if kind in POLICY_KINDS:  # the engine's refusal says more than make_policy's
+                for engine in self.engines:
+                    check_policy_kind(engine, kind, engine_scenario)
+            policy = make_policy(
+                kind,
+                cap=p.get("cap"),
+                sinks=p.get("sinks"),
+                positions=self.positions() if with_params else "reindexed",
+                evict_step=p.get("evict_step", 1),
+                checkpoints=p.get("checkpoints", 0),
+                checkpoint_step=p.get("checkpoint_step", DEFAULT_CHECKPOINT_STEP),
+            )
+            for engine in self.engines:
+                check_policy(engine, policy, engine_scenario)
+        except KvguardError as exc:
+            raise exc.keyed(key) from None
+        return policy
+
+    @cached_property
+    def loaded_text(self) -> Text:
+        """The text parameter, read once at parse time (a missing file fails before any engine
+        loads); runs read it again from ``spec.text``."""
+        try:
+            return load_text(self.params["text"], self.base_dir)
+        except KvguardError as exc:
+            raise exc.keyed("params.text") from None
+
+    def text_name(self) -> str:
+        """The text parameter, once it was read."""
+        return self.loaded_text.name
+
+
+def require_text_room(fields: Fields, tokens: int, key: str) -> None:
+    """Refuse a token count the text cannot hold: every token covers at least one byte."""
+    text = fields.loaded_text
+    size = len(text.content.encode("utf-8"))
+    if tokens > size + 1:  # + BOS
+        raise KvguardError(
+            f"{key.removeprefix('params.')} {tokens} is more than text '{text.name}' can give "
+            f"({size:,} bytes, so at most {size + 1:,} tokens)",
+            fix="lower it, or use a longer text",
+            key=key,
+        )
+
+
+def ascending_counts(
+    values: object, what: str, minimum: int, at_least: int, example: str
+) -> list[int]:
+    """A list of at least ``at_least`` distinct integers >= ``minimum``, ascending, or an error."""
+    key = f"params.{what}"
+    if (
+        not isinstance(values, (list, tuple))
+        or len(values) < at_least
+        or any(isinstance(v, bool) or not isinstance(v, int) or v < minimum for v in values)
+    ):
+        raise KvguardError(
+            f"{what} must be a list of at least {at_least} integers >= {minimum}, got {values!r}",
+            fix=f"write e.g. {what}: {example}",
+            key=key,
+        )
+    if list(values) != sorted(set(values)):
+        raise KvguardError(
+            f"{what} must be distinct and ascending, got {list(values)}",
+            fix=f"write {what}: {sorted(set(values))}",
+            key=key,
+        )
+    return list(values)
+
+
+def check_bounded_run(policy: Policy, tokens: int, budgets: Budgets) -> None:
+    """``bounded: true`` needs a cap and a run that goes past it, or it proves nothing."""
+    if not budgets.bounded:
+        return
+    if policy.cap is None or tokens <= policy.cap:
+        raise KvguardError(
+            "bounded needs a policy with a cap and a run that goes past it"
+            if policy.cap is None
+            else f"bounded: the run ({tokens} tokens) never goes past the cap {policy.cap}",
+            fix="use window, sink or engine_default with a cap below the tokens fed",
+            key="budgets.bounded",
+        )
+
+
+@dataclass(frozen=True)
+class Check(Generic[SpecT]):
+    """One check, from a budgets file or a test: a scenario's spec, on engines, with budgets."""
+
+    name: str
+    scenario: str
+    engines: tuple[str, ...]
+    """The engine; two for parity (the reference first)."""
+    model: ModelRef
+    spec: SpecT
+    budgets: Budgets
+    expect_violation: bool = False
+    """A negative control (or an expected finding): it must break a budget."""
+    reason: str | None = None
+    base_dir: Path = field(default_factory=Path.cwd)
+    where: str = ""
+    """``budgets.yaml:25``, or the test's node id: where the check was declared."""
+
+    @property
+    def engine(self) -> str:
+        return self.engines[0]
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What a scenario's run gives the judge: figures, findings and what the report shows."""
+
+    policy: str
+    """The policy as the table shows it: ``sink4/256 reidx step1``."""
+    tokens: int
+    text: Text
+    metrics: dict[str, float]
+    """Every figure a budget or a baseline tolerance can gate on, by name."""
+    seconds: dict[str, float]
+    """Wall time per run (reported, never gated); 0.0 for a run reused from earlier."""
+    tokens_per_second: float
+    detail: Any
+    """The scenario's own dataclass of what its table and plots need."""
+    findings: list[str] = field(default_factory=list)
+    """Violations the scenario detects itself, whatever the budgets say."""
+
+
+class Context(Protocol):
+    """What a scenario runs with: the session's engines and its memoised runs."""
+
+    def engine(self, name: str, model: ModelRef) -> Engine: ...
+
+    def token_ids(self, engine: str, model: ModelRef, text: Text, count: int) -> list[int]: ...
+
+    def stream_run(
+        self,
+        engine: str,
+        model: ModelRef,
+        policy: Policy,
+        text: Text,
+        count: int,
+        *,
+        lengths: tuple[int, ...] = (),
+        score: bool = True,
+    ) -> tuple[StreamRun, bool]:
+        """The run, and whether it was computed now (False: reused from this session)."""
+        ...
+
+    def memo(self, key: tuple[Any, ...], compute: Callable[[], T]) -> tuple[T, bool]:
+        """``compute()``'s result, computed once per session for ``key``; and whether now."""
+        ...
+
+    def say(self, line: str, detail: bool = False) -> None: ...
+
+
+class Scenario(ABC, Generic[SpecT]):
+    """A scenario slice. Subclasses set the class attributes and implement the four methods."""
+
+    name: ClassVar[str]
+    summary: ClassVar[str]
+    """One line: what the scenario does."""
+    params: ClassVar[tuple[Param, ...]]
+    budgets: ClassVar[tuple[str, ...]]
+    """The budgets (``Budgets`` field names) that apply to this scenario."""
+    detail_type: ClassVar[type]
+    engines: ClassVar[int] = 1
+    """How many engines a check names (parity: two, under ``engines:``)."""
+    takes_policy: ClassVar[bool] = True
+    """Whether a check names its policy (required); otherwise a ``policy`` key is refused."""
+    no_policy: ClassVar[tuple[str, str]] = ("", "")
+    """Where no policy is taken: why a ``policy`` key is refused, and the fix."""
+    takes_baseline: ClassVar[bool] = False
+    """Whether the check names a baseline policy (default ``full``)."""
+
+    @abstractmethod
+    def build(self, fields: Fields) -> SpecT:
+        """The frozen spec; every inconsistency is a KvguardError whose ``key`` points at it."""
+
+    def check_budgets(self, spec: SpecT, budgets: Budgets) -> None:
+        """Refuse budgets that cannot mean anything for this spec (none by default)."""
+
+    @abstractmethod
+    def run(self, ctx: Context, check: Check[SpecT]) -> Measured:
+        """Run the check on the engines; the caller judges the budgets."""
+
+    @abstractmethod
+    def table(self, outcomes: Sequence[Any]) -> tuple[list[str], list[list[list[str]]]]:
+        """The columns between check/engine/model/policy and budget/verdict, and for each
+        outcome its lines of cells (the first line carries the check's name)."""
+
+    def detail_from_json(self, data: Mapping[str, Any]) -> Any:
+        return self.detail_type(**data)

@@ -1,0 +1,144 @@
+"""Input a new user gets wrong, refused at parse time with one line (file:line, what, fix), exit 4.
+
+The classes of defect tried on every parameter and budget: zero, negative, infinite,
+contradictory and self-comparison. Each case here was accepted (or hung, or failed at run
+time with a wrong cause) before the scenario slices validated their own specs.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.usefixtures("fake_engine")
+
+HEAD = "version: 1\ndefaults: {engine: fake, model: tiny.gguf}\nchecks:\n  - name: a\n"
+"""Four lines: a check's keys start on line 5."""
+
+CASES = {
+    # zero
+    "evict_step_zero": (
+        "    policy: sink\n    params: {cap: 64, tokens: 400, evict_step: 0}\n"
+        "    budgets: {max_kv_entries: 64}\n",
+        "budgets.yaml:6: params.evict_step must be >= 1, got 0",
+    ),
+    "checkpoint_step_zero": (
+        "    scenario: edit_replay\n    policy: swa\n"
+        "    params: {followup: append, checkpoints: 2, checkpoint_step: 0}\n"
+        "    budgets: {max_reprefill_tokens: 9}\n",
+        "budgets.yaml:7: params.checkpoint_step must be >= 1, got 0",
+    ),
+    "cap_zero": (
+        "    policy: window\n    params: {cap: 0, tokens: 400}\n"
+        "    budgets: {max_kv_entries: 64}\n",
+        "budgets.yaml:6: params.cap must be >= 2, got 0",
+    ),
+    "min_reused_zero": (
+        "    scenario: edit_replay\n    policy: full\n    params: {followup: append}\n"
+        "    budgets: {min_reused_tokens: 0}\n",
+        "budgets.yaml:8: budget min_reused_tokens: 0 could never fail*",
+    ),
+    "positions_empty_list": (
+        "    scenario: sweep\n    params: {cap: 64, tokens: 400, positions: []}\n"
+        "    budgets: {min_sink_gain_pct: 1}\n",
+        "budgets.yaml:6: params.positions is an empty list*",
+    ),
+    "positions_empty_name": (
+        "    policy: sink\n    params: {cap: 64, tokens: 400, positions: ''}\n"
+        "    budgets: {max_kv_entries: 64}\n",
+        "budgets.yaml:6: unknown position handling ''*",
+    ),
+    # negative
+    "tokens_negative": (
+        "    scenario: parity\n    engines: [fake, fake2]\n    params: {tokens: -5}\n"
+        "    budgets: {max_ppl_diff_pct: 1}\n",
+        "budgets.yaml:7: params.tokens must be >= 2, got -5",
+    ),
+    "sinks_negative": (
+        "    policy: sink\n    params: {cap: 64, tokens: 400, sinks: -1}\n"
+        "    budgets: {max_kv_entries: 64}\n",
+        "budgets.yaml:6: params.sinks must be >= 0, got -1",
+    ),
+    # infinite
+    "budget_inf": (
+        "    policy: sink\n    params: {cap: 64, tokens: 400}\n"
+        "    budgets: {max_ppl_increase_pct: .inf}\n",
+        "budgets.yaml:7: budget max_ppl_increase_pct is infinite, so it could never fail*",
+    ),
+    "fraction_at_one": (
+        "    scenario: edit_replay\n    policy: full\n    params: {followup: append}\n"
+        "    budgets: {max_reprefill_fraction: 1}\n",
+        "budgets.yaml:8: budget max_reprefill_fraction: 1 could never fail "
+        "(reprefill_fraction is always at most 1)*",
+    ),
+    # contradictory
+    "recall_and_forget": (
+        "    scenario: recall\n    policy: sink\n    params: {cap: 64, filler_tokens: 100}\n"
+        "    budgets: {must_recall: true, must_forget: true}\n",
+        "budgets.yaml:8: must_recall and must_forget together can never both hold*",
+    ),
+    "forget_under_full": (
+        "    scenario: recall\n    policy: full\n    params: {filler_tokens: 100}\n"
+        "    budgets: {must_forget: true}\n",
+        "budgets.yaml:8: must_forget with policy 'full', which never evicts*",
+    ),
+    "tokens_past_text": (
+        "    policy: sink\n    params: {cap: 64, tokens: 400, text: short.txt}\n"
+        "    budgets: {max_kv_entries: 64}\n",
+        "budgets.yaml:6: tokens 400 is more than text 'short.txt' can give (99 bytes, so at "
+        "most 100 tokens)*",
+    ),
+    "empty_answer": (
+        "    scenario: recall\n    policy: sink\n    params: {cap: 64, filler_tokens: 100, "
+        "answer: ' '}\n    budgets: {must_forget: true}\n",
+        "budgets.yaml:7: params.answer is empty*",
+    ),
+    "parity_with_engine": (
+        "    scenario: parity\n    engine: fake\n    engines: [fake, fake2]\n"
+        "    budgets: {max_ppl_diff_pct: 1}\n",
+        "budgets.yaml:6: a parity check names its two engines under 'engines', not 'engine'*",
+    ),
+    # self-comparison
+    "parity_same_engine": (
+        "    scenario: parity\n    engines: [fake, fake]\n    params: {tokens: 400}\n"
+        "    budgets: {max_ppl_diff_pct: 1}\n",
+        "budgets.yaml:6: parity compares two engines, and both are 'fake'*",
+    ),
+    "baseline_is_candidate": (
+        "    policy: sink\n    baseline: sink\n    params: {cap: 64, tokens: 400, sinks: 4}\n"
+        "    budgets: {max_ppl_increase_pct: 5}\n",
+        "budgets.yaml:6: baseline sink4/64 reidx step1 is the candidate policy itself*",
+    ),
+    "sweep_positions_twice": (
+        "    scenario: sweep\n    params: {cap: 64, tokens: 400, positions: [absolute, absolute]}"
+        "\n    budgets: {min_sink_gain_pct: 1}\n",
+        "budgets.yaml:6: positions [[]'absolute', 'absolute'] names one handling twice*",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_refused_at_parse_time_with_file_line_and_fix(gate: pytest.Pytester, case: str) -> None:
+    body, expected = CASES[case]
+    gate.makefile(".yaml", budgets=HEAD + body)
+    (gate.path / "short.txt").write_text("x" * 99)
+    result = gate.runpytest("--kvguard", "budgets.yaml", "--kvguard-json", "r.json")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, result.stdout.str()
+    result.stderr.fnmatch_lines([f"ERROR: {expected}*"])
+    errors = [line for line in result.stderr.lines if line.strip()]
+    assert len(errors) == 1 and "(fix: " in errors[0], errors
+    assert not (gate.path / "r.json").exists()  # no partial report that could pass for a run
+
+
+def test_a_text_too_short_for_its_tokens_names_the_real_count(gate: pytest.Pytester) -> None:
+    """Past the byte bound the count is only known once tokenized: the run-time error says it."""
+    gate.makefile(
+        ".yaml",
+        budgets=HEAD + "    policy: sink\n    params: {cap: 64, tokens: 400, text: mid.txt}\n"
+        "    budgets: {max_kv_entries: 64}\n",
+    )
+    (gate.path / "mid.txt").write_text("x" * 1000)  # the toy makes 1 token of 4 characters
+    result = gate.runpytest("--kvguard", "budgets.yaml")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        ["budgets.yaml:4: text 'mid.txt' has only 250 tokens on tiny.gguf, 400 asked*"]
+    )
