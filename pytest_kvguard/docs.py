@@ -6,10 +6,12 @@ README.md carries this text between ``<!-- scenarios -->`` markers (a test keeps
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Sequence
 
 from pytest_kvguard.budgets import Budgets
+from pytest_kvguard.report import report_schema
 from pytest_kvguard.scenarios import SCENARIOS
 from pytest_kvguard.scenarios.base import PARAM_KINDS
 
@@ -42,5 +44,13 @@ def scenarios_markdown() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    sys.stdout.write(scenarios_markdown())
+    """``kvguard-scenarios``: the tables as Markdown; ``--schema``: the JSON report's schema."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args == ["--schema"]:
+        sys.stdout.write(json.dumps(report_schema(), indent=2) + "\n")
+    elif args:
+        sys.stderr.write("usage: kvguard-scenarios [--schema]\n")
+        return 2
+    else:
+        sys.stdout.write(scenarios_markdown())
     return 0

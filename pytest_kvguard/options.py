@@ -11,7 +11,8 @@ from pytest_kvguard.faults import FAULTS
 OPTIONS = [
     ("--kvguard", "kvguard_budgets", "BUDGETS_YAML", "Run the checks declared in this budgets "
      "file (relative to the current directory; the ini value: to rootdir). Without test paths "
-     "on the command line, only these checks run. Default: none."),
+     "on the command line, only these checks run; kvguard-scenarios lists each scenario's "
+     "parameters and budgets. Default: none."),
     ("--kvguard-json", "kvguard_json", "PATH", "Write the JSON report (every figure, engine "
      "versions, model sha256, machine) here. Default: no JSON report."),
     ("--kvguard-baseline", "kvguard_baseline", "REPORT_JSON", "Compare every check with the "

@@ -6,12 +6,14 @@ check has (check, engine, model, policy ... budget, verdict) and one table per s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
 import sys
 from collections.abc import Sequence
 from datetime import datetime, timezone
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,7 @@ from pytest_kvguard.outcome import CheckError, Outcome, Row
 from pytest_kvguard.scenarios import SCENARIOS
 
 REPORT_SCHEMA = 2
-"""The JSON report's schema version; ``data/report.schema.json`` describes it."""
+"""The JSON report's schema version; ``report_schema()`` describes it."""
 READABLE_SCHEMAS = (1, 2)
 """Report schemas a baseline may come from (1 kept its figures under the same names)."""
 
@@ -136,3 +138,44 @@ def write_json(path: Path, report: dict[str, Any]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     tmp.replace(path)  # never leave a half-written report behind
+
+
+_DETAIL_TYPES = {
+    "str": {"type": "string"},
+    "float": {"type": "number"},
+    "int": {"type": "integer"},
+    "list[list[int]]": {"$ref": "#/$defs/layer_sizes"},
+    "list[dict[str, float]]": {"$ref": "#/$defs/samples"},
+    "list[dict[str, Any]]": {"$ref": "#/$defs/samples"},
+}
+
+
+def report_schema() -> dict[str, Any]:
+    """The JSON report's complete schema: the frame in ``data/report.schema.json``, each
+    registered scenario's name, and its detail's schema derived from the detail dataclass."""
+    schema: dict[str, Any] = json.loads(
+        resources.files("pytest_kvguard").joinpath("data/report.schema.json").read_text("utf-8")
+    )
+    outcome = schema["$defs"]["outcome"]
+    outcome["properties"]["scenario"] = {"enum": list(SCENARIOS)}
+    details: dict[str, Any] = {}
+    for name, scenario in SCENARIOS.items():
+        fields = dataclasses.fields(scenario.detail_type)
+        unknown = [f"{f.name}: {f.type}" for f in fields if str(f.type) not in _DETAIL_TYPES]
+        if unknown:
+            raise TypeError(f"{name} detail fields with no JSON schema: {', '.join(unknown)}")
+        details[name] = {
+            "type": "object",
+            "required": [f.name for f in fields],
+            "additionalProperties": False,
+            "properties": {f.name: _DETAIL_TYPES[str(f.type)] for f in fields},
+        }
+    schema["$defs"]["details"] = details
+    outcome["allOf"] = [
+        {
+            "if": {"properties": {"scenario": {"const": name}}},
+            "then": {"properties": {"detail": {"$ref": f"#/$defs/details/{name}"}}},
+        }
+        for name in SCENARIOS
+    ]
+    return schema

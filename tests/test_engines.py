@@ -36,3 +36,13 @@ def test_each_engine_accepts_exactly_the_policies_it_lists(engine: str) -> None:
             else:
                 with pytest.raises(KvguardError, match=f"does not implement policy '{kind}'"):
                     check_policy(engine, policy, scenario)
+
+
+def test_the_toy_engine_satisfies_the_engine_protocol() -> None:
+    """The toy runs every scenario's mechanics, edit_replay's prefix cache included."""
+    from kvguard_fake_engine import FakeEngine
+
+    from pytest_kvguard.engines import Engine
+
+    assert isinstance(FakeEngine(), Engine)
+    assert callable(FakeEngine().open_prefix_cache)
