@@ -686,20 +686,23 @@ def test_no_scenario(kvguard):
     result.stdout.no_fnmatch_line("*During handling*")
 
 
+def _xdist_gate(gate: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.RunResult:
+    """The toy budgets file on two xdist workers, with a step summary file and a JSON report."""
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(gate.path / "summary.md"))
+    write_budgets(gate)
+    _register_fake_engine_in_subprocesses(gate)
+    return gate.runpytest_subprocess(
+        "-n", "2", "--kvguard", "budgets.yaml", "--kvguard-json", "r.json"
+    )  # fmt: skip
+
+
 def test_xdist_controller_alone_writes_report_table_and_summary(
     gate: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    pytest.importorskip("xdist")
-    summary = gate.path / "summary.md"
-    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
-    write_budgets(gate)
-    _register_fake_engine_in_subprocesses(gate)
-    result = gate.runpytest_subprocess(
-        "-n", "2", "--kvguard", "budgets.yaml", "--kvguard-json", "r.json"
-    )
+    result = _xdist_gate(gate, monkeypatch)
     result.assert_outcomes(passed=2)
     assert result.stdout.str().count("= kvguard =") == 1
-    text = summary.read_text()
+    text = (gate.path / "summary.md").read_text()
     assert text.count("## kvguard:") == 1 and text.startswith("## kvguard: pass")
     report = json.loads((gate.path / "r.json").read_text())
     assert report["complete"] is True and report["verdict"] == "pass"
@@ -709,20 +712,13 @@ def test_xdist_controller_alone_writes_report_table_and_summary(
 def test_xdist_engine_errors_are_rows_of_one_failed_report(
     gate: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    pytest.importorskip("xdist")
-    summary = gate.path / "summary.md"
-    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
     monkeypatch.setenv("KVGUARD_FAKE_FAIL", "1")
-    write_budgets(gate)
-    _register_fake_engine_in_subprocesses(gate)
-    result = gate.runpytest_subprocess(
-        "-n", "2", "--kvguard", "budgets.yaml", "--kvguard-json", "r.json"
-    )
+    result = _xdist_gate(gate, monkeypatch)
     result.assert_outcomes(failed=2)
     report = json.loads((gate.path / "r.json").read_text())
     assert (report["verdict"], report["complete"]) == ("fail", False)
     assert sorted(c["verdict"] for c in report["checks"]) == ["ERROR", "ERROR"]
-    text = summary.read_text()
+    text = (gate.path / "summary.md").read_text()
     assert text.count("## kvguard: FAIL") == 1 and text.count("(ERROR): ") == 2
 
 

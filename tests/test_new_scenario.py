@@ -1,0 +1,128 @@
+"""A scenario written the way a newcomer would add one: a Scenario subclass and a registry entry.
+
+Nothing else changes: the budgets file, the fixture, the table, the JSON report and its schema
+all take the new scenario from the registry (the toy engine stands in for a real one).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from pytest_kvguard.policies import Policy
+from pytest_kvguard.scenarios import SCENARIOS
+from pytest_kvguard.scenarios.base import (
+    CAP,
+    TEXT,
+    TOKENS,
+    Check,
+    Context,
+    Fields,
+    Measured,
+    Scenario,
+    require_text_room,
+)
+from pytest_kvguard.texts import load_text
+
+pytestmark = pytest.mark.usefixtures("fake_engine")
+
+
+@dataclass(frozen=True)
+class FillSpec:
+    policy: Policy
+    tokens: int
+    text: str
+
+
+@dataclass(frozen=True)
+class FillDetail:
+    held: int
+
+
+class FillScenario(Scenario[FillSpec]):
+    """Feed ``tokens`` without scoring; report the KV entries held."""
+
+    name = "fill"
+    summary = "feed tokens without scoring and count what the cache holds"
+    params = (TOKENS, CAP, TEXT)
+    budgets = ("max_kv_entries",)
+    detail_type = FillDetail
+
+    def build(self, fields: Fields) -> FillSpec:
+        assert fields.policy is not None
+        tokens: int = fields.params["tokens"]
+        require_text_room(fields, tokens, "params.tokens")
+        return FillSpec(fields.policy_of("policy", fields.policy), tokens, fields.text_name())
+
+    def run(self, ctx: Context, check: Check[FillSpec]) -> Measured:
+        spec = check.spec
+        text = load_text(spec.text, check.base_dir)
+        run, new = ctx.stream_run(check.engine, check.model, spec.policy, text, spec.tokens,
+                                  score=False)  # fmt: skip
+        return Measured(
+            policy=spec.policy.describe(), tokens=spec.tokens, text=text,
+            metrics={"kv_entries": float(run.kv_entries)},
+            seconds={"run": run.seconds if new else 0.0},
+            tokens_per_second=run.tokens_per_second, detail=FillDetail(run.kv_entries),
+        )  # fmt: skip
+
+    def table(self, outcomes: Sequence[Any]) -> tuple[list[str], list[list[list[str]]]]:
+        return ["tokens", "held"], [[[str(o.tokens), str(o.detail.held)]] for o in outcomes]
+
+
+@pytest.fixture
+def fill_registered(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(SCENARIOS, "fill", FillScenario())  # the one registry line
+
+
+def test_a_new_scenario_runs_from_yaml_and_the_fixture(
+    gate: pytest.Pytester, fill_registered: None
+) -> None:
+    from pytest_kvguard.report import report_schema
+
+    gate.makefile(
+        ".yaml",
+        budgets="version: 1\ndefaults: {engine: fake, model: tiny.gguf}\nchecks:\n"
+        "  - name: fill-window\n    scenario: fill\n    policy: window\n"
+        "    params: {cap: 64, tokens: 300}\n    budgets: {max_kv_entries: 64}\n",
+    )
+    gate.makepyfile(
+        """
+import pytest
+
+@pytest.mark.kv_budget(max_kv_entries=300)
+def test_fill(kvguard):
+    outcome = kvguard.fill(engine="fake", model="tiny.gguf", policy="full", tokens=300)
+    assert outcome.detail.held == 300
+"""
+    )
+    test_file = "test_a_new_scenario_runs_from_yaml_and_the_fixture.py"
+    result = gate.runpytest("--kvguard", "budgets.yaml", test_file, "--kvguard-json", "r.json")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["check * policy * tokens * held * budget * verdict",
+                                 "fill-window * window/64 * 300 * 64 * kv<=64 * PASS"])  # fmt: skip
+    import jsonschema
+
+    report = json.loads((gate.path / "r.json").read_text())
+    jsonschema.validate(report, report_schema())
+    assert {c["detail"]["held"] for c in report["checks"]} == {64, 300}
+
+
+def test_a_new_scenario_refuses_bad_input_like_the_others(
+    gate: pytest.Pytester, fill_registered: None
+) -> None:
+    gate.makefile(
+        ".yaml",
+        budgets="version: 1\nchecks:\n  - name: a\n    scenario: fill\n    engine: fake\n"
+        "    model: tiny.gguf\n    policy: window\n    params: {cap: 64, lengths: [1]}\n"
+        "    budgets: {max_kv_entries: 64}\n",
+    )
+    result = gate.runpytest("--kvguard", "budgets.yaml")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        ["ERROR: budgets.yaml:8: unknown fill parameter 'lengths' (fix: *known: tokens, cap, text)"]
+    )
