@@ -35,6 +35,10 @@ def test_readme_carries_the_scenarios_own_parameter_tables() -> None:
     assert section.group(1) == scenarios_markdown()
 
 
+def test_every_budget_applies_to_some_scenario() -> None:
+    assert set(Budgets.names()) == {b for s in SCENARIOS.values() for b in s.budgets}
+
+
 def test_every_key_budget_policy_and_option_is_documented() -> None:
     names = [*CHECK_KEYS, *SCENARIOS, *Budgets.names(), *POLICY_KINDS, *POSITION_MODES]
     names += [flag for flag, _, _, _ in OPTIONS] + ["--kvguard-plot", "kvguard_plot"]

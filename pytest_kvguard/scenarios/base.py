@@ -45,13 +45,17 @@ class Param:
     """Integers (and list items) below this are refused."""
 
     def read(self, value: Any) -> Any:
-        """``value`` checked against the kind and minimum; errors name ``params.NAME``."""
+        """``value`` checked against the kind and minimum; errors name ``params.NAME``.
+        A list parameter given as an empty list is refused: it would ask for nothing."""
         key = f"params.{self.name}"
-        items = value if self.kind in ("ints", "strs") else [value]
-        if self.kind in ("ints", "strs") and not isinstance(value, (list, tuple)):
-            items = None
+        is_list = self.kind in ("ints", "strs")
+        items = value if is_list else [value]
         wanted = int if self.kind in ("int", "ints") else str
-        if items is None or any(isinstance(v, bool) or not isinstance(v, wanted) for v in items):
+        if is_list and value == []:
+            raise KvguardError(f"{key} is an empty list", fix="name one value or more", key=key)
+        if (is_list and not isinstance(value, (list, tuple))) or any(
+            isinstance(v, bool) or not isinstance(v, wanted) for v in items
+        ):
             raise KvguardError(
                 f"{key} must be {PARAM_KINDS[self.kind]}, got {value!r}",
                 fix=f"write {key} as {PARAM_KINDS[self.kind]}",
@@ -63,7 +67,7 @@ class Param:
                 fix=f"use {self.name}: {self.minimum} or more",
                 key=key,
             )
-        return list(value) if self.kind in ("ints", "strs") else value
+        return list(value) if is_list else value
 
 
 # Parameters several scenarios share, documented once.

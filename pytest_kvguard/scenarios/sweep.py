@@ -169,10 +169,6 @@ class SweepScenario(Scenario[SweepSpec]):
             raise KvguardError("a sweep needs a cap", fix="set params.cap, e.g. cap: 256",
                                key="params.cap")  # fmt: skip
         counts = check_sinks(p["sinks"], cap)
-        if p["positions"] == []:
-            raise KvguardError("params.positions is an empty list",
-                               fix="name one handling or more, e.g. [reindexed, absolute]",
-                               key="params.positions")  # fmt: skip
         modes = tuple(p["positions"] or [fields.positions()])
         if len(set(modes)) != len(modes):
             raise KvguardError(
