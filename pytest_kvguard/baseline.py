@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from tabulate import tabulate
+
 from pytest_kvguard.budgets import unknown_key_error
 from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.outcome import Outcome
+from pytest_kvguard.outcome import Outcome, Row
 from pytest_kvguard.report import READABLE_SCHEMAS
 from pytest_kvguard.units import format_change, format_figure
 
@@ -171,7 +173,10 @@ def upgrades(then: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
 
 
 def regressions(
-    then: Mapping[str, Any], now: Mapping[str, Any], rules: Mapping[str, Tolerance]
+    then: Mapping[str, Any],
+    now: Mapping[str, Any],
+    rules: Mapping[str, Tolerance],
+    against: str = "baseline",
 ) -> list[str]:
     """One message per figure that moved the wrong way past its tolerance."""
     found = []
@@ -190,7 +195,7 @@ def regressions(
         return []
     what = upgrades(then, now)
     since = "; ".join(what) if what else "no engine, model or text change"
-    return [f"regressed against baseline: {', '.join(found)} [since baseline: {since}]"]
+    return [f"regressed against {against}: {', '.join(found)} [since {against}: {since}]"]
 
 
 def compare_with_baseline(
@@ -210,3 +215,68 @@ def compare_with_baseline(
         violations=[*outcome.violations, *found],
         baseline_status="regressed" if found else "within tolerance",
     )
+
+
+def compare_with_other_run(
+    outcome: Outcome, other: Outcome, rules: Mapping[str, Tolerance], python: str
+) -> Outcome:
+    """Upgrade preview: the outcome judged against the same check run in another environment."""
+    then = other.to_json()
+    summary = {
+        "python": python,
+        "engine_version": other.engine_version,
+        "verdict": other.verdict,
+        "metrics": other.metrics,
+        "violations": other.violations,
+    }
+    outcome = replace(outcome, against=summary, baseline_changes=upgrades(then, outcome.to_json()))
+    if outcome.expect_violation:
+        return replace(outcome, baseline_status="not compared (negative control)")
+    label = f"{other.engine} {other.engine_version} (upgrade preview)"
+    found = regressions(then, outcome.to_json(), rules, against=label)
+    return replace(
+        outcome,
+        violations=[*outcome.violations, *found],
+        baseline_status="regressed" if found else "within tolerance",
+    )
+
+
+def other_run_failed(outcome: Outcome, python: str, error: str) -> Outcome:
+    """Upgrade preview whose other run could not run: never a pass that compared nothing."""
+    return replace(
+        outcome,
+        against={"python": python, "error": error},
+        violations=[*outcome.violations, f"upgrade preview: the run in {python} failed: {error}"],
+        baseline_status="preview failed",
+    )
+
+
+def render_preview(rows: Sequence[Row], fmt: str = "simple") -> str:
+    """The upgrade preview: each previewed check's compared figures in both environments, the
+    ones that changed (a check where none did gets one line saying so)."""
+    lines = []
+    for row in rows:
+        if not isinstance(row, Outcome) or row.against is None:
+            continue
+        other = row.against
+        if "error" in other:
+            lines.append([row.name, "-", "(run failed)", "", "", row.verdict])
+            continue
+        old, new = other["metrics"], row.metrics
+        changed = [m for m in sorted(COMPARABLE_METRICS) if m in old and m in new
+                   and old[m] != new[m]]  # fmt: skip
+        for i, metric in enumerate(changed or ["(no compared figure changed)"]):
+            cells = (
+                [metric, format_figure(old[metric]), format_figure(new[metric]),
+                 format_change(old[metric], new[metric])]
+                if changed else [metric, "", "", ""]
+            )  # fmt: skip
+            lines.append([row.name if i == 0 else "", *cells, row.verdict if i == 0 else ""])
+    if not lines:
+        return ""
+    versions = sorted({(o.engine, o.engine_version, o.against.get("engine_version", "?"))
+                       for o in rows if isinstance(o, Outcome) and o.against})  # fmt: skip
+    title = "; ".join(f"{e} {old} -> {new}" for e, new, old in versions)
+    table = tabulate(lines, headers=["check", "figure", "against", "this run", "change", "verdict"],
+                     tablefmt=fmt, disable_numparse=True)  # fmt: skip
+    return f"upgrade preview ({title}):\n{table}"

@@ -19,6 +19,10 @@ Schema (version 1)::
         reason: why a violation is expected (required with expect: violation)
     baseline_tolerances:   # optional; with --kvguard-baseline: how far a figure may regress
       post_eviction_ppl: 2%          # may rise 2%; a number: by that much; exact: not change
+    engine_python:         # optional: run an engine in another virtual environment
+      mlx: envs/mlx-0.28/bin/python  # relative to this file; kvguard-env prints one
+    against:               # optional: upgrade preview, every check run here and there
+      mlx: envs/mlx-0.28/bin/python  # or one path for every engine
 
 Each check is built by ``checks.build_check``, the same validation a fixture call goes through.
 """
@@ -36,11 +40,13 @@ import yaml
 from pytest_kvguard.baseline import Tolerance, parse_tolerance, tolerances
 from pytest_kvguard.budgets import unknown_key_error
 from pytest_kvguard.checks import DEFAULT_KEYS, Written, build_check
+from pytest_kvguard.engines import engine_info
+from pytest_kvguard.environments import EVERY_ENGINE, check_python
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.scenarios.base import Check
 
 SCHEMA_VERSION = 1
-TOP_KEYS = ["version", "defaults", "checks", "baseline_tolerances"]
+TOP_KEYS = ["version", "defaults", "checks", "baseline_tolerances", "engine_python", "against"]
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -68,10 +74,16 @@ class BudgetsFile:
     checks: tuple[Check[Any], ...]
     baseline_tolerances: dict[str, Tolerance] = field(default_factory=lambda: tolerances({}))
     """How far each figure may move against --kvguard-baseline (defaults + the file's own)."""
+    engine_python: dict[str, str] = field(default_factory=dict)
+    """Engine -> the interpreter of the environment it runs in (``engine_python:``)."""
+    against: dict[str, str] = field(default_factory=dict)
+    """Engine (or ``*``) -> the interpreter of the upgrade preview's other run (``against:``)."""
 
 
-def load_budgets_file(path: Path) -> BudgetsFile:
-    """Parse and validate a budgets file; every problem is a KvguardError naming file and line."""
+def load_budgets_file(path: Path, installed_elsewhere: frozenset[str] = frozenset()) -> BudgetsFile:
+    """Parse and validate a budgets file; every problem is a KvguardError naming file and line.
+    Engines in ``installed_elsewhere`` (or the file's ``engine_python:``) run in another
+    environment and need not be installed in this one."""
     try:
         raw_bytes = path.read_bytes()
     except OSError as exc:
@@ -119,6 +131,8 @@ def load_budgets_file(path: Path) -> BudgetsFile:
             line=document.key_lines.get("checks", document.line),
             fix="add at least one check under 'checks:'",
         )
+    engine_python = _pythons(document, "engine_python", path)
+    elsewhere = installed_elsewhere | frozenset(engine_python)
     checks: list[Check[Any]] = []
     seen: dict[str, int | None] = {}
     for index, entry in enumerate(entries):
@@ -137,8 +151,9 @@ def load_budgets_file(path: Path) -> BudgetsFile:
                 fix="use letters, digits, '.', '_' and '-'",
             )
         check = build_check(
-            entry, defaults, base_dir=path.parent, path=path, where=f"{path}:{entry.line}"
-        )
+            entry, defaults, base_dir=path.parent, path=path, where=f"{path}:{entry.line}",
+            installed_elsewhere=elsewhere,
+        )  # fmt: skip
         if check.name in seen:
             raise KvguardError(
                 f"duplicate check name '{check.name}' (first on line {seen[check.name]})",
@@ -153,7 +168,35 @@ def load_budgets_file(path: Path) -> BudgetsFile:
         hashlib.sha256(raw_bytes).hexdigest(),
         tuple(checks),
         _baseline_tolerances(document, path),
+        engine_python,
+        _pythons(document, "against", path),
     )
+
+
+def _pythons(document: Written, key: str, path: Path) -> dict[str, str]:
+    """``engine_python:`` / ``against:``: engine -> interpreter path, relative to the file.
+    ``against:`` may also be one path, for every engine."""
+    section = document.get(key)
+    if section is None:
+        return {}
+    line = document.key_lines[key]
+    if isinstance(section, str) and key == "against":
+        section = Written({EVERY_ENGINE: section})
+        section.key_lines = {EVERY_ENGINE: line}
+    if not isinstance(section, Written):
+        raise _not_a_mapping(key, section, path, line)
+    chosen = {}
+    for engine, python in section.items():
+        where = section.key_lines.get(engine, line)
+        try:
+            if engine != EVERY_ENGINE:
+                engine_info(str(engine))
+            if not isinstance(python, str):
+                raise KvguardError(f"{key}.{engine} must be a path, got {python!r}")
+            chosen[str(engine)] = check_python(str(path.parent / python), f"{key}.{engine}")
+        except KvguardError as exc:
+            raise exc.located(path, where) from None
+    return chosen
 
 
 def _baseline_tolerances(document: Written, path: Path) -> dict[str, Tolerance]:

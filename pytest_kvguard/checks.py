@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from pytest_kvguard.budgets import Budgets, unknown_key_error
-from pytest_kvguard.engines import ENGINES, require_installed
+from pytest_kvguard.engines import ENGINES, engine_info, require_installed
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.models import parse_model
 from pytest_kvguard.scenarios import SCENARIOS, all_param_names
@@ -21,9 +21,11 @@ from pytest_kvguard.scenarios.base import Check, Fields
 
 CHECK_KEYS = [
     "name", "scenario", "engine", "engines", "model", "policy", "baseline", "params", "budgets",
-    "expect", "reason",
+    "expect", "reason", "timeout",
 ]  # fmt: skip
-DEFAULT_KEYS = ["scenario", "engine", "engines", "model", "baseline", "params", "budgets"]
+DEFAULT_KEYS = [
+    "scenario", "engine", "engines", "model", "baseline", "params", "budgets", "timeout",
+]  # fmt: skip
 EXPECTATIONS = ("pass", "violation")
 
 
@@ -77,12 +79,14 @@ def build_check(
     path: Path | None = None,
     where: str = "",
     marker_budgets: Budgets | None = None,
+    installed_elsewhere: frozenset[str] = frozenset(),
 ) -> Check[Any]:
     """Validate one check. With ``path`` errors carry its file and line; ``marker_budgets``
-    (a test's ``kv_budget`` marker) replaces the ``budgets:`` key and may be empty."""
+    (a test's ``kv_budget`` marker) replaces the ``budgets:`` key and may be empty. Engines in
+    ``installed_elsewhere`` run in another environment, so they need not be installed here."""
     lines = _Lines(entry, defaults)
     try:
-        return _build(entry, defaults, base_dir, where, marker_budgets, lines)
+        return _build(entry, defaults, base_dir, where, marker_budgets, lines, installed_elsewhere)
     except KvguardError as exc:
         if path is None:
             raise
@@ -96,6 +100,7 @@ def _build(
     where: str,
     marker_budgets: Budgets | None,
     lines: _Lines,
+    installed_elsewhere: frozenset[str],
 ) -> Check[Any]:
     for key in entry:
         if key not in CHECK_KEYS:
@@ -119,7 +124,7 @@ def _build(
     if kind not in SCENARIOS:
         raise unknown_key_error("scenario", kind, list(SCENARIOS)).keyed("scenario")
     scenario = SCENARIOS[kind]
-    engines = _engines(entry, defaults, scenario.engines, kind)
+    engines = _engines(entry, defaults, scenario.engines, kind, installed_elsewhere)
     model_name = required("model")
     try:
         model = parse_model(model_name, base_dir)
@@ -194,10 +199,26 @@ def _build(
         reason=str(reason) if reason else None,
         base_dir=base_dir,
         where=where,
+        timeout=_timeout(entry.get("timeout", defaults.get("timeout"))),
     )
 
 
-def _engines(entry: Written, defaults: Written, count: int, kind: str) -> tuple[str, ...]:
+def _timeout(value: Any) -> float | None:
+    """A check's time limit in seconds (None: the session's, from --kvguard-timeout)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise KvguardError(
+            f"timeout must be a number of seconds above 0, got {value!r}",
+            fix="write e.g. timeout: 900",
+            key="timeout",
+        )
+    return float(value)
+
+
+def _engines(
+    entry: Written, defaults: Written, count: int, kind: str, installed_elsewhere: frozenset[str]
+) -> tuple[str, ...]:
     """The check's engine (``engine:``), or its two engines (``engines:``, parity)."""
     if count == 2 and "engine" in entry:
         raise KvguardError(
@@ -234,7 +255,9 @@ def _engines(entry: Written, defaults: Written, count: int, kind: str) -> tuple[
         names, key = tuple(value), "engines"
     for engine in names:
         try:
-            require_installed(engine)
+            engine_info(engine)
+            if engine not in installed_elsewhere:
+                require_installed(engine)
         except KvguardError as exc:
             raise exc.keyed(key) from None
     return names

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 
 class KvguardError(Exception):
@@ -36,6 +37,10 @@ class KvguardError(Exception):
         fix = f" (fix: {self.fix})" if self.fix else ""
         return f"{where}{self.message}{fix}"
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled whole (an engine worker sends it to the pytest process), not as str(self).
+        return (_restore, (type(self), self.message, self.fix, self.path, self.line, self.key))
+
     def keyed(self, key: str) -> KvguardError:
         """The same error, pointing at check key ``key`` unless it already points somewhere."""
         if self.key is not None:
@@ -47,6 +52,17 @@ class KvguardError(Exception):
         if self.path is not None:
             return self
         return KvguardError(self.message, fix=self.fix, path=path, line=line, key=self.key)
+
+
+def _restore(
+    cls: type[KvguardError],
+    message: str,
+    fix: str | None,
+    path: str | None,
+    line: int | None,
+    key: str | None,
+) -> KvguardError:
+    return cls(message, fix=fix, path=path, line=line, key=key)
 
 
 class EngineError(KvguardError):

@@ -25,6 +25,8 @@ class Fault:
     caught_by: tuple[str, ...]
     """Bundled checks (fixtures/budgets.yaml) that must turn red under this fault."""
     patch: Callable[[contextlib.ExitStack], None]
+    kills_worker: bool = False
+    """The engine crashes or hangs: only run it in an engine worker, never in pytest itself."""
 
 
 def _set(stack: contextlib.ExitStack, owner: Any, name: str, value: Any) -> None:
@@ -88,6 +90,51 @@ def _checkpoint_not_restored(stack: contextlib.ExitStack) -> None:
     _set(stack, lc, "llama_state_seq_set_data_ext", restore_nothing)
 
 
+def execute_illegal_instruction() -> None:
+    """Die of SIGILL by executing an undefined instruction, as an engine built for a newer CPU
+    does (ud2 on x86-64, udf on arm64); raise the signal where executable memory is refused."""
+    import ctypes
+    import mmap
+    import os
+    import platform
+    import signal
+
+    code = {"x86_64": b"\x0f\x0b", "AMD64": b"\x0f\x0b", "arm64": b"\0\0\0\0",
+            "aarch64": b"\0\0\0\0"}.get(platform.machine())  # fmt: skip
+    if code is not None:
+        try:
+            page = mmap.mmap(
+                -1, mmap.PAGESIZE, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC
+            )
+            page.write(code)
+            address = ctypes.addressof(ctypes.c_char.from_buffer(page))
+            ctypes.CFUNCTYPE(None)(address)()
+        except (OSError, ValueError):
+            pass
+    os.kill(os.getpid(), signal.SIGILL)
+
+
+def _engine_crash(stack: contextlib.ExitStack) -> None:
+    import llama_cpp as lc
+
+    def shift_crashes(memory: Any, seq: int, p0: int, p1: int, delta: int) -> None:
+        execute_illegal_instruction()
+
+    _set(stack, lc, "llama_memory_seq_add", shift_crashes)
+
+
+def _engine_hang(stack: contextlib.ExitStack) -> None:
+    import threading
+
+    import llama_cpp as lc
+
+    def eviction_never_returns(memory: Any, seq: int, p0: int, p1: int) -> bool:
+        threading.Event().wait()  # blocks forever, as a deadlocked engine call does
+        return False
+
+    _set(stack, lc, "llama_memory_seq_rm", eviction_never_returns)
+
+
 FAULTS: dict[str, Fault] = {
     f.name: f
     for f in (
@@ -125,6 +172,22 @@ FAULTS: dict[str, Fault] = {
             "llama_state_seq_set_data_ext restores nothing from a sliding-layer checkpoint",
             ("gemma3-ckpt-edit-middle",),
             _checkpoint_not_restored,
+        ),
+        Fault(
+            "engine_crash",
+            "llama_cpp",
+            "the KV shift after an eviction (llama_memory_seq_add) dies of an illegal instruction",
+            ("smollm2-sink4-reindexed", "smollm2-window-reindexed"),
+            _engine_crash,
+            kills_worker=True,
+        ),
+        Fault(
+            "engine_hang",
+            "llama_cpp",
+            "evicting from the KV cache (llama_memory_seq_rm) never returns",
+            ("smollm2-sink4-reindexed", "smollm2-window-reindexed"),
+            _engine_hang,
+            kills_worker=True,
         ),
     )
 }

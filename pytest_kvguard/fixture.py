@@ -17,16 +17,16 @@ import pytest
 
 from pytest_kvguard.budgets import Budgets
 from pytest_kvguard.checks import Written, build_check
+from pytest_kvguard.environments import Environments
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.outcome import Outcome
-from pytest_kvguard.runner import run_check
 from pytest_kvguard.scenarios import SCENARIOS
-from pytest_kvguard.session import against_baseline, record, session_runner
+from pytest_kvguard.session import ENVIRONMENTS_KEY, record, run_gated
 
 FIXTURE_DEFAULTS = {"engine": "llama_cpp", "engines": ["llama_cpp", "mlx"], "model": "smollm2-135m"}
 """What a fixture call gets where it names no engine or model: the bundled default model on
 llama.cpp (parity: llama.cpp against mlx)."""
-CHECK_KEYWORDS = ("engine", "engines", "model", "policy", "baseline")
+CHECK_KEYWORDS = ("engine", "engines", "model", "policy", "baseline", "timeout")
 """Keywords that are check keys; every other keyword is a scenario parameter."""
 
 
@@ -69,12 +69,14 @@ class KvguardFixture:
                 base_dir=node.path.parent,
                 where=node.nodeid,
                 marker_budgets=self.budgets,
+                installed_elsewhere=frozenset(
+                    node.config.stash.get(ENVIRONMENTS_KEY, Environments()).python
+                ),
             )
-            outcome = run_check(session_runner(node.config), check)
-        except KvguardError as exc:
+            outcome = run_gated(node.config, check)
+        except KvguardError as exc:  # WorkerLost too: the test fails with the cause
             error = f"{node.nodeid}: {exc}"
         else:
-            outcome = against_baseline(node.config, outcome)
             record(node, outcome)
             return outcome
         pytest.fail(error, pytrace=False)  # outside the except: no chained traceback

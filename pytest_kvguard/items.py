@@ -9,15 +9,9 @@ import pytest
 
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.outcome import CheckError
-from pytest_kvguard.runner import run_check
 from pytest_kvguard.scenarios.base import Check
-from pytest_kvguard.session import (
-    BUDGETS_KEY,
-    against_baseline,
-    record,
-    record_error,
-    session_runner,
-)
+from pytest_kvguard.session import BUDGETS_KEY, record, record_error, run_gated
+from pytest_kvguard.workers import WorkerLost
 
 
 class BudgetsCollector(pytest.File):
@@ -44,12 +38,15 @@ class CheckItem(pytest.Item):
     def runtest(self) -> None:
         check = self.check
         try:
-            outcome = run_check(session_runner(self.config), check)
+            outcome = run_gated(self.config, check)
+        except WorkerLost as exc:
+            record_error(self, CheckError(check.name, str(exc), check.scenario, lost=True))
+            tail = f"\nlast lines the engine wrote:\n{exc.log_tail}" if exc.log_tail else ""
+            raise KvguardError(f"{check.where}: {exc}{tail}") from None
         except KvguardError as exc:
             message = str(exc) if exc.path else f"{check.where}: {exc}"
             record_error(self, CheckError(check.name, message, check.scenario))
             raise KvguardError(message) from None
-        outcome = against_baseline(self.config, outcome)
         record(self, outcome)
         if outcome.verdict == "FAIL":
             raise CheckFailed(f"{'; '.join(outcome.violations)} [{check.where}]")

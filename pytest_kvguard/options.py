@@ -8,6 +8,9 @@ import pytest
 
 from pytest_kvguard.faults import FAULTS
 
+DEFAULT_TIMEOUT = 1800.0
+"""Seconds a check may run before its worker is killed: far above the slowest bundled check."""
+
 OPTIONS = [
     ("--kvguard", "kvguard_budgets", "BUDGETS_YAML", "Run the checks declared in this budgets "
      "file (relative to the current directory; the ini value: to rootdir). Without test paths "
@@ -22,7 +25,22 @@ OPTIONS = [
     ("--kvguard-inject-fault", "kvguard_inject_fault", "FAULT", "Run the whole session with "
      "this engine fault injected (one of: " + ", ".join(sorted(FAULTS)) + "), to see which "
      "checks catch it. The run is expected to fail. Default: none."),
+    ("--kvguard-timeout", "kvguard_timeout", "SECONDS", "Kill a check's engine worker when the "
+     "check runs longer than this; the check is an ERROR that says so and the run goes on. A "
+     "check's own 'timeout:' (budgets file, or its defaults) wins. 0: no limit. Default: "
+     f"{DEFAULT_TIMEOUT:g}."),
 ]  # fmt: skip
+ENVIRONMENT_OPTIONS = [
+    ("--kvguard-engine-python", "kvguard_engine_python", "ENGINE=PYTHON", "Run ENGINE's checks "
+     "in the virtual environment whose interpreter is PYTHON (it needs that engine version; "
+     "kvguard-env creates one). May be given once per engine; overrides the budgets file's "
+     "'engine_python:'. Default: this environment."),
+    ("--kvguard-against", "kvguard_against", "[ENGINE=]PYTHON", "Upgrade preview: run every "
+     "check (of ENGINE, or of every engine) a second time in PYTHON's environment and judge "
+     "this run against it with the baseline tolerances; the table shows both versions' "
+     "figures. Overrides the budgets file's 'against:'. Default: no preview."),
+]  # fmt: skip
+"""Options given once per engine: repeatable on the command line, one per line in the ini."""
 
 
 def add_options(parser: pytest.Parser) -> None:
@@ -33,6 +51,10 @@ def add_options(parser: pytest.Parser) -> None:
         group.addoption(flag, metavar=metavar, default=None, choices=choices,
                         help=f"{doc} (ini: {ini})")  # fmt: skip
         parser.addini(ini, f"As {flag}.")
+    for flag, ini, metavar, doc in ENVIRONMENT_OPTIONS:
+        group.addoption(flag, metavar=metavar, action="append", default=None,
+                        help=f"{doc} (ini: {ini}, one per line)")  # fmt: skip
+        parser.addini(ini, f"As {flag}, one per line.", type="linelist")
     group.addoption(
         "--kvguard-plot",
         action="store_true",
@@ -65,3 +87,26 @@ def path_setting(config: pytest.Config, ini: str) -> Path | None:
 def plot_enabled(config: pytest.Config) -> bool:
     flag = config.getoption("kvguard_plot")
     return bool(config.getini("kvguard_plot") if flag is None else flag)
+
+
+def list_setting(config: pytest.Config, ini: str) -> list[str]:
+    """A per-engine option's values, else its ini twin's lines."""
+    flag = next(f for f, i, _, _ in ENVIRONMENT_OPTIONS if i == ini)
+    values = config.getoption(flag.lstrip("-").replace("-", "_"))
+    return list(values) if values else [str(v) for v in config.getini(ini)]
+
+
+def timeout_setting(config: pytest.Config) -> float | None:
+    """The session's per-check time limit in seconds; None for no limit."""
+    raw = setting(config, "kvguard_timeout")
+    if raw is None:
+        return DEFAULT_TIMEOUT
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if seconds < 0:
+        raise pytest.UsageError(
+            f"--kvguard-timeout {raw!r} is not a number of seconds (fix: e.g. 900, or 0 for none)"
+        )
+    return seconds or None

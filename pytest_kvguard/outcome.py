@@ -51,6 +51,9 @@ class Outcome:
     """With --kvguard-baseline: within tolerance, regressed, not in baseline, not compared."""
     baseline_changes: list[str] = field(default_factory=list)
     """With --kvguard-baseline: what changed since it (engine version or build, model, text)."""
+    against: dict[str, Any] | None = None
+    """With --kvguard-against: the other run (python, engine_version, verdict, metrics,
+    violations), or its error; None without an upgrade preview."""
 
     @property
     def verdict(self) -> str:
@@ -74,12 +77,15 @@ class CheckError:
     name: str
     error: str
     scenario: str | None = None
+    lost: bool = False
+    """The engine worker died or was killed while running it (crash, hang): the check was lost,
+    not refused."""
 
     verdict = "ERROR"
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "scenario": self.scenario, "verdict": "ERROR",
-                "error": self.error}  # fmt: skip
+                "error": self.error, "lost": self.lost}  # fmt: skip
 
 
 Row = Outcome | CheckError
@@ -88,7 +94,9 @@ Row = Outcome | CheckError
 def row_from_json(data: Mapping[str, Any]) -> Row:
     """A report row back as the type it was written from."""
     if data["verdict"] == "ERROR":
-        return CheckError(data["name"], data["error"], data.get("scenario"))
+        return CheckError(
+            data["name"], data["error"], data.get("scenario"), bool(data.get("lost", False))
+        )
     values = {f.name: data[f.name] for f in fields(Outcome) if f.name in data}
     values["detail"] = SCENARIOS[data["scenario"]].detail_from_json(data["detail"])
     return Outcome(**values)

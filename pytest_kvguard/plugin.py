@@ -6,7 +6,6 @@ items, fixture and reporter in ``items``, ``fixture`` and ``reporter``.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 from collections.abc import Generator
 from pathlib import Path
@@ -16,23 +15,34 @@ import pytest
 
 from pytest_kvguard.baseline import load_baseline
 from pytest_kvguard.budgets import Budgets
-from pytest_kvguard.budgets_file import load_budgets_file
+from pytest_kvguard.budgets_file import BudgetsFile, load_budgets_file
 from pytest_kvguard.engines import ENGINES, installed_version
 from pytest_kvguard.engines.blas import preload_openblas
+from pytest_kvguard.environments import EVERY_ENGINE, Environments, parse_assignments, version_in
 from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.faults import fault, inject
+from pytest_kvguard.faults import fault
 from pytest_kvguard.fixture import KvguardFixture
 from pytest_kvguard.items import BudgetsCollector, CheckItem
-from pytest_kvguard.options import add_options, path_setting, plot_enabled, setting
+from pytest_kvguard.options import (
+    add_options,
+    list_setting,
+    path_setting,
+    plot_enabled,
+    setting,
+    timeout_setting,
+)
 from pytest_kvguard.plot import require_matplotlib
 from pytest_kvguard.reporter import KvguardReporter, baseline_warning
 from pytest_kvguard.runner import Runner
 from pytest_kvguard.session import (
     BASELINE_KEY,
     BUDGETS_KEY,
+    ENVIRONMENTS_KEY,
     FAULT_KEY,
     OUTCOMES_KEY,
+    POOL_KEY,
     RUNNER_KEY,
+    TIMEOUT_KEY,
     session_runner,
 )
 
@@ -67,27 +77,37 @@ def pytest_configure(config: pytest.Config) -> None:
         )
     fault_name = setting(config, "kvguard_inject_fault")
     if fault_name:
-        faults = contextlib.ExitStack()
         try:
-            faults.enter_context(inject(fault_name))
-        except (ImportError, KvguardError) as exc:
+            fault(fault_name)  # injected in the engine workers, never in this process
+        except KvguardError as exc:
             raise pytest.UsageError(f"fault '{fault_name}': {exc}") from None
-        config.stash[FAULT_KEY] = faults
+        config.stash[FAULT_KEY] = fault_name
+    config.stash[TIMEOUT_KEY] = timeout_setting(config)
+    budgets_file = None
     try:
         baseline_path = path_setting(config, "kvguard_baseline")
         if baseline_path is not None:
             config.stash[BASELINE_KEY] = load_baseline(baseline_path)
         budgets_path = path_setting(config, "kvguard_budgets")
-        if budgets_path is None:
-            return
-        budgets_file = load_budgets_file(budgets_path)
-        for check in budgets_file.checks:
-            try:
-                check.model.resolve()  # a missing model fails now, not mid-run
-            except KvguardError as exc:
-                raise KvguardError(f"{check.where}: {exc}") from None
+        if budgets_path is not None:
+            elsewhere = frozenset(_command_line_pythons(config))
+            budgets_file = load_budgets_file(budgets_path, installed_elsewhere=elsewhere)
+            for check in budgets_file.checks:
+                try:
+                    check.model.resolve()  # a missing model fails now, not mid-run
+                except KvguardError as exc:
+                    raise KvguardError(f"{check.where}: {exc}") from None
+        environments = _environments(config, budgets_file)
     except KvguardError as exc:
         raise pytest.UsageError(str(exc)) from None
+    if environments.against and BASELINE_KEY in config.stash:
+        raise pytest.UsageError(
+            "--kvguard-against and --kvguard-baseline both give the run something to be judged "
+            "against (fix: use one of them)"
+        )
+    config.stash[ENVIRONMENTS_KEY] = environments
+    if budgets_file is None or budgets_path is None:
+        return
     config.stash[BUDGETS_KEY] = budgets_file
     # Without explicit test paths the gate runs only its checks, not the project's testpaths.
     collect = str(budgets_path.resolve())
@@ -97,10 +117,24 @@ def pytest_configure(config: pytest.Config) -> None:
         config.args.append(collect)
 
 
-def pytest_unconfigure(config: pytest.Config) -> None:
-    faults = config.stash.get(FAULT_KEY, None)
-    if faults is not None:
-        faults.close()
+def _command_line_pythons(config: pytest.Config) -> dict[str, str]:
+    return parse_assignments(
+        list_setting(config, "kvguard_engine_python"), "--kvguard-engine-python"
+    )
+
+
+def _environments(config: pytest.Config, budgets_file: BudgetsFile | None) -> Environments:
+    """Where each engine runs and the preview's other run: the command line (or ini) over the
+    budgets file, engine by engine."""
+    python = dict(budgets_file.engine_python) if budgets_file else {}
+    against = dict(budgets_file.against) if budgets_file else {}
+    python.update(_command_line_pythons(config))
+    against.update(
+        parse_assignments(
+            list_setting(config, "kvguard_against"), "--kvguard-against", every_engine=True
+        )
+    )
+    return Environments(python, against)
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -111,6 +145,14 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
             f"kvguard FAULT INJECTED: {chosen.name} ({chosen.engine}: {chosen.what}); "
             "this run is expected to fail"
         )
+    environments = config.stash.get(ENVIRONMENTS_KEY, Environments())
+    for engine, python in sorted(environments.python.items()):
+        version = version_in(python, engine) or "not installed there"
+        lines.append(f"kvguard engine environment: {engine} {version} runs in {python}")
+    for engine, python in sorted(environments.against.items()):
+        names = [engine] if engine != EVERY_ENGINE else list(ENGINES)
+        found = ", ".join(f"{n} {version_in(python, n) or 'not installed'}" for n in names)
+        lines.append(f"kvguard upgrade preview: every check also runs against {found} ({python})")
     baseline = config.stash.get(BASELINE_KEY, None)
     if baseline is not None:
         lines.append(
@@ -219,3 +261,6 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     runner = session.config.stash.get(RUNNER_KEY, None)
     if runner is not None:
         runner.close()
+    pool = session.config.stash.get(POOL_KEY, None)
+    if pool is not None:
+        pool.close()

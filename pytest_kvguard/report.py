@@ -99,6 +99,7 @@ def build_report(
         "complete": complete,
         "pytest_exitstatus": exitstatus,
         "missing_checks": list(missing_checks),
+        "lost_checks": [r.name for r in rows if isinstance(r, CheckError) and r.lost],
         "budgets_file": budgets_file,
         "budgets_sha256": budgets_sha256,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -114,13 +115,17 @@ def step_summary(
     exitstatus: int,
     missing: Sequence[str],
     warning: str | None = None,
+    preview: str = "",
 ) -> str:
-    """Markdown for $GITHUB_STEP_SUMMARY: the verdict, the tables, and what went wrong."""
+    """Markdown for $GITHUB_STEP_SUMMARY: the verdict, the tables (``preview``: the upgrade
+    preview's, drawn by ``baseline.render_preview``), and what went wrong."""
     verdict = "pass" if passed(rows, exitstatus, missing) else "FAIL"
     lines = [f"## kvguard: {verdict}", ""]
     if warning:
         lines += [f"> **{warning}**", ""]
     lines += [render_table(rows, fmt="github"), ""]
+    if preview:
+        lines += [preview, ""]
     problems = [
         f"- **{r.name}** ({r.verdict}): "
         + (r.error if isinstance(r, CheckError) else "; ".join(r.violations) or "no violation")

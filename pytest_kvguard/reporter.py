@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from pytest_kvguard.outcome import Row, row_from_json
+from pytest_kvguard.baseline import render_preview
+from pytest_kvguard.outcome import CheckError, Row, row_from_json
 from pytest_kvguard.plot import plot_path, write_kv_plot, write_sweep_plot
 from pytest_kvguard.report import build_report, machine, render_table, step_summary, write_json
 from pytest_kvguard.session import BASELINE_KEY, BUDGETS_KEY, PROPERTY
@@ -96,7 +97,8 @@ class KvguardReporter:
         if not target or not (rows or self.expected):
             return
         text = step_summary(rows, exitstatus=exitstatus, missing=self.missing(),
-                            warning=baseline_warning(self.config))  # fmt: skip
+                            warning=baseline_warning(self.config),
+                            preview=render_preview(rows, fmt="github"))  # fmt: skip
         try:
             with open(target, "a", encoding="utf-8") as summary:
                 summary.write(text)
@@ -113,19 +115,34 @@ class KvguardReporter:
             for change in getattr(row, "baseline_changes", []):
                 changes[change] = changes.get(change, 0) + 1
         if changes:
+            previewed = any(getattr(row, "against", None) for row in rows)
             terminalreporter.write_line(
-                "kvguard: changed since the baseline: "
+                (
+                    "kvguard: changed since the upgrade preview's other run: "
+                    if previewed
+                    else "kvguard: changed since the baseline: "
+                )  # fmt: skip
                 + "; ".join(f"{c} ({n} check{'s' * (n != 1)})" for c, n in changes.items()),
                 yellow=True,
             )
         if rows:
             terminalreporter.write_sep("=", "kvguard")
             terminalreporter.write_line(render_table(rows))
+            preview = render_preview(rows)
+            if preview:
+                terminalreporter.write_line(preview)
             if any(row.scenario == "stream" for row in rows):
                 terminalreporter.write_line(
                     "ppl = perplexity over the tokens fed after the first eviction; "
                     "delta = candidate vs baseline on the same token ids."
                 )
+        lost = [r.name for r in rows if isinstance(r, CheckError) and r.lost]
+        if lost:
+            terminalreporter.write_line(
+                f"kvguard: {len(lost)} check(s) lost to an engine worker that died or hung (the "
+                "worker was restarted for the others): " + ", ".join(lost),
+                red=True,
+            )
         missing = self.missing()
         if missing:
             terminalreporter.write_line(

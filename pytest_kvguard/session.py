@@ -6,37 +6,87 @@ state through ``config.stash`` under these keys.
 
 from __future__ import annotations
 
-import contextlib
 import json
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
-from pytest_kvguard.baseline import Baseline, compare_with_baseline, tolerances
+from pytest_kvguard.baseline import (
+    Baseline,
+    compare_with_baseline,
+    compare_with_other_run,
+    other_run_failed,
+    tolerances,
+)
 from pytest_kvguard.budgets_file import BudgetsFile
 from pytest_kvguard.engines import EngineOptions
+from pytest_kvguard.environments import Environments
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.outcome import CheckError, Outcome
 from pytest_kvguard.runner import Runner
+from pytest_kvguard.scenarios.base import Check
+from pytest_kvguard.workers import WorkerPool
 
 BUDGETS_KEY = pytest.StashKey[BudgetsFile]()
 RUNNER_KEY = pytest.StashKey[Runner]()
 BASELINE_KEY = pytest.StashKey[Baseline]()
-FAULT_KEY = pytest.StashKey[contextlib.ExitStack]()
+FAULT_KEY = pytest.StashKey[str]()
+POOL_KEY = pytest.StashKey[WorkerPool]()
+ENVIRONMENTS_KEY = pytest.StashKey[Environments]()
+TIMEOUT_KEY = pytest.StashKey[float | None]()
 OUTCOMES_KEY = pytest.StashKey[list[Outcome]]()
 PROPERTY = "kvguard"
 """user_properties name that carries a check's row (to the xdist controller and JUnit)."""
 
 
+def _engine_options() -> EngineOptions:
+    try:
+        return EngineOptions.from_env()
+    except KvguardError as exc:
+        raise pytest.UsageError(str(exc)) from None
+
+
 def session_runner(config: pytest.Config) -> Runner:
-    """The session's runner, made on first use: engines load once, runs are reused."""
+    """An in-process runner (the ``kvguard_runner`` fixture, for engine adapter tests): engines
+    load into the pytest process itself. The gate never uses it."""
     if RUNNER_KEY not in config.stash:
-        try:
-            options = EngineOptions.from_env()
-        except KvguardError as exc:
-            raise pytest.UsageError(str(exc)) from None
-        config.stash[RUNNER_KEY] = Runner(options, _say_function(config))
+        config.stash[RUNNER_KEY] = Runner(_engine_options(), _say_function(config))
     return config.stash[RUNNER_KEY]
+
+
+def session_pool(config: pytest.Config) -> WorkerPool:
+    """The session's engine workers, started on first use."""
+    if POOL_KEY not in config.stash:
+        fault = config.stash.get(FAULT_KEY, None)
+        config.stash[POOL_KEY] = WorkerPool(_engine_options(), _say_function(config), fault)
+    return config.stash[POOL_KEY]
+
+
+def run_gated(config: pytest.Config, check: Check[Any]) -> Outcome:
+    """Run a check in its engine worker and judge it: budgets, then the upgrade preview's
+    other run or the baseline. ``WorkerLost`` when the worker died or hung running it."""
+    environments = config.stash.get(ENVIRONMENTS_KEY, Environments())
+    timeout = check.timeout if check.timeout is not None else config.stash.get(TIMEOUT_KEY, None)
+    # The model file is found here: a worker's environment need not have the model packages.
+    sent = replace(check, model=replace(check.model, path=check.model.resolve()))
+    pool = session_pool(config)
+    outcome = pool.run(sent, environments.python_for(check.engines), timeout)
+    other_python, why_not = environments.against_for(check.engines)
+    if other_python is not None:
+        try:
+            other = pool.run(sent, other_python, timeout, judged=False)
+        except KvguardError as exc:
+            return other_run_failed(outcome, other_python, str(exc))
+        return compare_with_other_run(outcome, other, _tolerances(config), other_python)
+    if why_not is not None:
+        return replace(outcome, baseline_status=why_not)
+    return against_baseline(config, outcome)
+
+
+def _tolerances(config: pytest.Config) -> Any:
+    budgets_file = config.stash.get(BUDGETS_KEY, None)
+    return budgets_file.baseline_tolerances if budgets_file else tolerances({})
 
 
 def _say_function(config: pytest.Config) -> Any:
@@ -60,9 +110,7 @@ def against_baseline(config: pytest.Config, outcome: Outcome) -> Outcome:
     baseline = config.stash.get(BASELINE_KEY, None)
     if baseline is None:
         return outcome
-    budgets_file = config.stash.get(BUDGETS_KEY, None)
-    rules = budgets_file.baseline_tolerances if budgets_file else tolerances({})
-    return compare_with_baseline(outcome, baseline, rules)
+    return compare_with_baseline(outcome, baseline, _tolerances(config))
 
 
 def record(item: pytest.Item, outcome: Outcome) -> None:

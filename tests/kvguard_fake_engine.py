@@ -5,12 +5,15 @@ sequence (its "sink") is still held, slightly less once anything was evicted, an
 vaguely once the sink is gone: a pure window loses the
 sink and its perplexity jumps, a sink policy keeps it. Its prefix cache (edit_replay) keeps
 any prefix under ``full`` and, under ``swa``, only one whose last ``TOY_WINDOW`` tokens it still
-holds. Set KVGUARD_FAKE_FAIL=1 to make decoding fail.
+holds. Set KVGUARD_FAKE_FAIL=1 to make decoding fail; KVGUARD_FAKE_CRASH=KIND (abort) or
+KVGUARD_FAKE_HANG=KIND (block forever) to break decoding under policy KIND; KVGUARD_FAKE_NO_CAP=1
+to ignore the cap (the cache grows); KVGUARD_FAKE_VERSION to report another version.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -47,7 +50,7 @@ class FakeEngine:
     kv_element_bytes = 2.0
 
     def version(self) -> str:
-        return "0.0-test"
+        return os.environ.get("KVGUARD_FAKE_VERSION", "0.0-test")
 
     def describe(self) -> dict[str, str]:
         return {"engine": "fake"}
@@ -86,12 +89,18 @@ class FakeStream:
         return self._evicted
 
     def room(self) -> int | None:
-        return None if self.policy.cap is None else self.policy.cap - self.held
+        if self.policy.cap is None or os.environ.get("KVGUARD_FAKE_NO_CAP"):
+            return None
+        return self.policy.cap - self.held
 
     def feed(self, token_ids: Sequence[int], logits: bool = True) -> np.ndarray:
         if os.environ.get("KVGUARD_FAKE_FAIL"):
             raise EngineError("fake decode failed (KVGUARD_FAKE_FAIL is set)")
-        cap = self.policy.cap
+        if os.environ.get("KVGUARD_FAKE_CRASH") == self.policy.kind:
+            os.abort()
+        if os.environ.get("KVGUARD_FAKE_HANG") == self.policy.kind:
+            threading.Event().wait()
+        cap = None if os.environ.get("KVGUARD_FAKE_NO_CAP") else self.policy.cap
         if cap is not None:
             while self.held + len(token_ids) > cap:
                 step = self.policy.evict_step

@@ -19,7 +19,7 @@ import numpy as np
 
 from pytest_kvguard.engines import EngineOptions
 from pytest_kvguard.engines.llama_log import buffer_mib, captured_log, init_backend, log_excerpt
-from pytest_kvguard.errors import EngineError
+from pytest_kvguard.errors import EngineError, KvguardError
 from pytest_kvguard.policies import Policy
 
 SEQ = 0
@@ -345,6 +345,12 @@ class LlamaCppPrefixCache(_Sequence):
     """
 
     def __init__(self, engine: LlamaCppEngine, policy: Policy, max_tokens: int) -> None:
+        if policy.checkpoints and not hasattr(lc, "llama_state_seq_get_size_ext"):
+            raise KvguardError(
+                "SWA checkpoints need llama-cpp-python 0.3.23 or later (llama_state_seq_*_ext); "
+                f"this is {lc.__version__}",
+                fix="upgrade llama-cpp-python, or leave checkpoints out of this check",
+            )
         swa_full = policy.kind == "swa_full"
         super().__init__(engine, max_tokens + 1, swa_full=swa_full)
         self.policy = policy

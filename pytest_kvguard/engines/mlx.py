@@ -118,6 +118,26 @@ def _float_dtype(model: Any) -> Any:
     return mx.float32
 
 
+def cache_size(cache: Any) -> int:
+    """KV entries one layer's cache holds. ``size()`` arrived in mlx-lm 0.30.4; before it, a
+    ``KVCache`` held its offset and a ``RotatingKVCache`` at most ``max_size`` of it."""
+    if hasattr(cache, "size"):
+        return int(cache.size())
+    if isinstance(cache, RotatingKVCache):
+        return int(min(cache.offset, cache.max_size))
+    return int(cache.offset)
+
+
+def cache_nbytes(cache: Any) -> int:
+    """Bytes of one layer's K and V buffers as allocated. ``nbytes`` arrived in mlx-lm 0.31; it
+    is the same sum of the two arrays' sizes."""
+    if hasattr(type(cache), "nbytes"):
+        return int(cache.nbytes)
+    if cache.keys is None:
+        return 0
+    return int(cache.keys.nbytes + cache.values.nbytes)
+
+
 def make_caches(model: Any, policy: Policy) -> list[Any]:
     """The mlx-lm cache list a policy stands for."""
     n_layers = len(model.layers)
@@ -150,17 +170,17 @@ class MlxStream:
 
     @property
     def held(self) -> int:
-        return max(int(c.size()) for c in self.cache)
+        return max(cache_size(c) for c in self.cache)
 
     @property
     def evicted(self) -> int:
-        return max((int(c.offset - c.size()) for c in self._rotating()), default=0)
+        return max((int(c.offset) - cache_size(c) for c in self._rotating()), default=0)
 
     def room(self) -> int | None:
         rotating = self._rotating()
         if not rotating:
             return None
-        return min(int(c.max_size - c.size()) for c in rotating)
+        return min(int(c.max_size) - cache_size(c) for c in rotating)
 
     def feed(self, token_ids: Sequence[int], logits: bool = True) -> np.ndarray:
         try:
@@ -176,8 +196,8 @@ class MlxStream:
     def figures(self) -> dict[str, float]:
         mx.synchronize()
         return {
-            "kv_bytes": float(sum(c.nbytes for c in self.cache)),
-            "kv_entries_total": float(sum(c.size() for c in self.cache)),
+            "kv_bytes": float(sum(cache_nbytes(c) for c in self.cache)),
+            "kv_entries_total": float(sum(cache_size(c) for c in self.cache)),
             # mlx counts every array in the process, other models' weights included: this
             # model's weights plus what the run added on top of what was there when it began.
             "peak_memory_bytes": float(mx.get_peak_memory())
@@ -189,7 +209,7 @@ class MlxStream:
 
     def layer_sizes(self) -> list[tuple[int, int]]:
         """(offset, size) per layer: tokens seen, and KV entries held."""
-        return [(int(c.offset), int(c.size())) for c in self.cache]
+        return [(int(c.offset), cache_size(c)) for c in self.cache]
 
     def close(self) -> None:
         self.cache = []
@@ -227,7 +247,7 @@ class MlxPrefixCache:
 
     def memory_bytes(self) -> dict[str, float]:
         return {
-            "state_bytes": float(sum(c.nbytes for c in self.cache)),
+            "state_bytes": float(sum(cache_nbytes(c) for c in self.cache)),
             "checkpoint_bytes": 0.0,
             "checkpoints": 0.0,
         }

@@ -87,6 +87,16 @@ def _read_with_gguf_package(path: Path) -> tuple[dict[str, mx.array], dict[str, 
     return weights, meta
 
 
+OPTIONAL_ARGS = frozenset({"max_position_embeddings"})
+"""Model arguments that only describe the model: left out where an older mlx-lm lacks them."""
+
+
+def _model_args(args_class: Any, **values: Any) -> Any:
+    """``args_class(**values)`` without the optional arguments this mlx-lm release lacks."""
+    fields = args_class.__dataclass_fields__
+    return args_class(**{k: v for k, v in values.items() if k in fields or k not in OPTIONAL_ARGS})
+
+
 def load_gguf_model(path: Path) -> tuple[nn.Module, dict[str, str]]:
     """An mlx-lm model with the GGUF's config and weights, and facts for the report."""
     weights, meta, reader = _read_weights(path)
@@ -102,7 +112,8 @@ def load_gguf_model(path: Path) -> tuple[nn.Module, dict[str, str]]:
         from mlx_lm.models import llama
 
         model: nn.Module = llama.Model(
-            llama.ModelArgs(
+            _model_args(
+                llama.ModelArgs,
                 model_type="llama",
                 hidden_size=int(num("embedding_length")),
                 num_hidden_layers=int(num("block_count")),
@@ -122,8 +133,12 @@ def load_gguf_model(path: Path) -> tuple[nn.Module, dict[str, str]]:
         from mlx_lm.models import gemma3_text
 
         head_dim = int(num("attention.key_length"))
+        # mlx-lm before 0.29 names the global layers' RoPE base rope_global_base_freq.
+        fields = gemma3_text.ModelArgs.__dataclass_fields__
+        global_rope_key = "rope_theta" if "rope_theta" in fields else "rope_global_base_freq"
         model = gemma3_text.Model(
-            gemma3_text.ModelArgs(
+            _model_args(
+                gemma3_text.ModelArgs,
                 model_type="gemma3_text",
                 hidden_size=int(num("embedding_length")),
                 num_hidden_layers=int(num("block_count")),
@@ -133,7 +148,7 @@ def load_gguf_model(path: Path) -> tuple[nn.Module, dict[str, str]]:
                 head_dim=head_dim,
                 rms_norm_eps=float(num("attention.layer_norm_rms_epsilon")),
                 vocab_size=int(weights["token_embd"].shape[0]),
-                rope_theta=float(num("rope.freq_base", 1_000_000.0)),
+                **{global_rope_key: float(num("rope.freq_base", 1_000_000.0))},
                 query_pre_attn_scalar=head_dim,  # what llama.cpp uses for Gemma 3 below 27B
                 sliding_window=int(num("attention.sliding_window")),
                 max_position_embeddings=int(num("context_length")),

@@ -220,6 +220,8 @@ class Check(Generic[SpecT]):
     base_dir: Path = field(default_factory=Path.cwd)
     where: str = ""
     """``budgets.yaml:25``, or the test's node id: where the check was declared."""
+    timeout: float | None = None
+    """Seconds the check may run before its engine worker is killed; None: the session's."""
 
     @property
     def engine(self) -> str:

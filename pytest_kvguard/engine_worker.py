@@ -1,0 +1,70 @@
+"""The engine worker's main: ``python -m pytest_kvguard.engine_worker READ_FD WRITE_FD``.
+
+Started by ``workers.EngineWorker``; not a command for users. It receives the folders the
+pytest process imports from outside its environment and a ``WorkerSetup``, then
+``("run", check)`` requests, and answers each with ``("say", line, detail)`` progress lines
+followed by ``("outcome", outcome)``, ``("error", KvguardError)`` (something the user can fix)
+or ``("bug", text)`` (any other exception, with its traceback). Engines load once and stay
+loaded; runs are shared across checks as they were in one pytest process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import traceback
+from multiprocessing.connection import Connection
+
+
+def serve(receive: Connection, send: Connection) -> None:
+    from pytest_kvguard import engines, scenarios
+    from pytest_kvguard.errors import KvguardError
+    from pytest_kvguard.faults import inject
+    from pytest_kvguard.runner import Runner, run_check
+    from pytest_kvguard.workers import WorkerSetup
+
+    setup: WorkerSetup = receive.recv()
+    # The registries as the pytest process has them: a test may add a toy engine or scenario.
+    engines.ENGINES.update(setup.engines)
+    scenarios.SCENARIOS.update(setup.scenarios)
+
+    def say(line: str, detail: bool = False) -> None:
+        send.send(("say", line, detail))
+
+    runner = Runner(setup.options, say)
+    with contextlib.ExitStack() as stack:
+        stack.callback(runner.close)
+        if setup.fault:
+            stack.enter_context(inject(setup.fault))
+        while True:
+            try:
+                request = receive.recv()
+            except EOFError:
+                return  # the pytest process went away
+            if request[0] == "close":
+                return
+            try:
+                outcome = run_check(runner, request[1])
+            except KvguardError as exc:
+                send.send(("error", exc))
+            except Exception as exc:  # noqa: BLE001 - the check's error, with its traceback
+                text = "".join(traceback.format_exception(exc)).rstrip()
+                send.send(("bug", f"{type(exc).__name__}: {exc}\n{text}"))
+            else:
+                send.send(("outcome", outcome))
+
+
+def main() -> None:
+    receive = Connection(int(sys.argv[1]), writable=False)
+    send = Connection(int(sys.argv[2]), readable=False)
+    try:
+        # Before the setup: unpickling it may need the modules of pytest's own folders.
+        import_path = receive.recv()
+        sys.path[:0] = [p for p in import_path if p not in sys.path]
+        serve(receive, send)
+    finally:
+        send.close()
+
+
+if __name__ == "__main__":
+    main()

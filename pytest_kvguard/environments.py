@@ -1,0 +1,262 @@
+"""Engine environments: which Python runs each engine, and the upgrade preview's other one.
+
+``--kvguard-engine-python mlx=PATH`` (budgets file ``engine_python:``) runs an engine in the
+virtual environment whose interpreter is PATH; ``--kvguard-against mlx=PATH`` (``against:``)
+runs every check of that engine a second time there and judges this run against it. PATH is a
+virtual environment's python with the engine installed; ``kvguard-env`` creates and caches one
+per engine requirement (``kvguard-env "mlx-lm==0.28.0"`` prints its python).
+
+The environment needs the engine and kvguard's run-time dependencies, not pytest-kvguard
+itself: the worker always runs this copy of pytest_kvguard (see ``workers``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from functools import cache
+from pathlib import Path
+
+from pytest_kvguard.engines import engine_info, installed_version
+from pytest_kvguard.errors import KvguardError
+
+EVERY_ENGINE = "*"
+"""The key of a bare ``--kvguard-against PATH``: every engine's other run is there."""
+ENV_HELP = 'kvguard-env "mlx-lm==0.28.0" prints the python of a cached environment for it'
+
+
+def check_python(path: str, written_as: str) -> str:
+    """An absolute interpreter path (symlinks kept: a venv's python is one), or a clear error."""
+    absolute = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isfile(absolute) or not os.access(absolute, os.X_OK):
+        raise KvguardError(
+            f"{written_as}: no Python interpreter at {absolute}",
+            fix=f"pass the python of a virtual environment ({ENV_HELP})",
+        )
+    return absolute
+
+
+def parse_assignments(
+    values: Sequence[str], written_as: str, *, every_engine: bool = False
+) -> dict[str, str]:
+    """``["mlx=PATH"]`` -> ``{"mlx": "/abs/PATH"}``; a bare ``PATH`` (where ``every_engine``)
+    stands for every engine."""
+    chosen: dict[str, str] = {}
+    for value in values:
+        engine, sep, path = value.partition("=")
+        if not sep:
+            if not every_engine:
+                raise KvguardError(
+                    f"{written_as} {value!r} names no engine", fix=f"write {written_as} mlx=PATH"
+                )
+            engine, path = EVERY_ENGINE, value
+        else:
+            engine_info(engine)  # an unknown engine is refused with the known ones
+        chosen[engine] = check_python(path, f"{written_as} {value}")
+    return chosen
+
+
+@dataclass(frozen=True)
+class Environments:
+    """Which interpreter runs each engine (absent: this one), and the preview's other run."""
+
+    python: Mapping[str, str] = field(default_factory=dict)
+    against: Mapping[str, str] = field(default_factory=dict)
+
+    def python_for(self, engines: Sequence[str]) -> str:
+        """The interpreter a check runs in: its engines share one worker."""
+        chosen = {self.python.get(e, sys.executable) for e in engines}
+        if len(chosen) > 1:
+            raise KvguardError(
+                f"engines {' and '.join(engines)} are set to run in different Python "
+                "environments, and a check runs its engines in one worker",
+                fix="give both engines the same --kvguard-engine-python, or neither",
+            )
+        return chosen.pop()
+
+    def against_for(self, engines: Sequence[str]) -> tuple[str | None, str | None]:
+        """The interpreter of the check's other run, or None and why there is none."""
+        chosen = [self.against.get(e, self.against.get(EVERY_ENGINE)) for e in engines]
+        if not any(chosen):
+            return None, None
+        lacking = [e for e, python in zip(engines, chosen, strict=True) if python is None]
+        if lacking or len(set(chosen)) > 1:
+            why = (f"{' and '.join(lacking)} has no --kvguard-against environment" if lacking
+                   else "its engines have different --kvguard-against environments")  # fmt: skip
+            return None, f"not previewed: {why}"
+        return chosen[0], None
+
+
+def version_in(python: str, engine: str) -> str | None:
+    """The engine's version in that interpreter's environment (read there, nothing imported)."""
+    if python == sys.executable:
+        return installed_version(engine)
+    return _version_in(python, engine_info(engine).distribution)
+
+
+@cache
+def _version_in(python: str, distribution: str) -> str | None:
+    code = (
+        "import importlib.metadata as m, sys\n"
+        "try: print(m.version(sys.argv[1]))\n"
+        "except m.PackageNotFoundError: pass\n"
+    )
+    try:
+        done = subprocess.run(
+            [python, "-c", code, distribution], capture_output=True, text=True, timeout=60
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() or None
+
+
+# kvguard-env: create and cache an environment for an engine requirement.
+
+RUNTIME_REQUIREMENTS = ("numpy>=1.26", "gguf>=0.10")
+"""What a worker imports besides the engine (pytest_kvguard itself comes from PYTHONPATH)."""
+X86_CMAKE_ARGS = "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
+"""llama.cpp build flags on x86-64: a native build can die with SIGILL (see README)."""
+MARKER = "kvguard-env.json"
+
+
+def _name_of(requirement: str) -> str:
+    match = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", requirement)
+    return re.sub(r"[-_.]+", "-", match.group(1)).lower() if match else requirement
+
+
+def environment_requirements(requested: Sequence[str]) -> list[str]:
+    """What gets installed: the requested engine versions and what a worker needs with them.
+
+    mlx-lm on Linux runs through the mlx[cpu] wheel; on a GGUF model its tokens come from
+    llama.cpp's tokenizer, so llama-cpp-python comes too (this environment's version, which
+    pip's wheel cache usually has).
+    """
+    names = {_name_of(r) for r in requested}
+    extra = list(RUNTIME_REQUIREMENTS)
+    if "mlx-lm" in names:
+        if sys.platform == "linux" and "mlx" not in names:
+            extra.append("mlx[cpu]")
+        if "llama-cpp-python" not in names:
+            here = installed_version("llama_cpp")
+            extra.append(f"llama-cpp-python=={here}" if here else "llama-cpp-python")
+    return [*requested, *extra]
+
+
+def environment_dir(requirements: Sequence[str], root: Path) -> Path:
+    """One folder per requirement set, interpreter version and platform."""
+    identity = "\n".join([*sorted(requirements), sys.version, platform.platform()])
+    digest = hashlib.sha256(identity.encode()).hexdigest()[:12]
+    slug = re.sub(r"[^A-Za-z0-9.]+", "-", "-".join(requirements[:2])).strip("-")[:48]
+    return root / f"{slug}-{digest}"
+
+
+def default_root() -> Path:
+    override = os.environ.get("KVGUARD_ENV_DIR")
+    if override:
+        return Path(override)
+    cache_home = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache_home) / "pytest-kvguard" / "envs"
+
+
+def python_of(env_dir: Path) -> Path:
+    return env_dir / "bin" / "python"
+
+
+def create_environment(requested: Sequence[str], root: Path, log: Path | None = None) -> Path:
+    """The python of a cached environment with these requirements, made now if need be."""
+    requirements = environment_requirements(requested)
+    env_dir = environment_dir(requirements, root)
+    python = python_of(env_dir)
+    if (env_dir / MARKER).is_file() and python.exists():
+        return python
+    if env_dir.exists():
+        shutil.rmtree(env_dir)  # a half-made environment from an interrupted run
+    env_dir.parent.mkdir(parents=True, exist_ok=True)
+    uv = shutil.which("uv")
+    environ = dict(os.environ)
+    if platform.machine() == "x86_64":
+        environ.setdefault("CMAKE_ARGS", X86_CMAKE_ARGS)
+    tool = "uv" if uv else "pip"
+    print(f"kvguard-env: creating {env_dir} with {tool}: {' '.join(requirements)}", file=sys.stderr)
+    if uv:
+        commands = [
+            [uv, "venv", "--quiet", "--python", sys.executable, str(env_dir)],
+            [uv, "pip", "install", "--quiet", "--python", str(python), *requirements],
+        ]
+    else:
+        commands = [
+            [sys.executable, "-m", "venv", str(env_dir)],
+            [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+             *requirements],
+        ]  # fmt: skip
+    for command in commands:
+        done = subprocess.run(command, env=environ, stdout=sys.stderr, stderr=subprocess.PIPE,
+                              text=True)  # fmt: skip
+        if done.returncode != 0:
+            shutil.rmtree(env_dir, ignore_errors=True)
+            raise KvguardError(
+                f"{' '.join(command[:3])} ... failed (exit {done.returncode}):\n"
+                + "\n".join(done.stderr.strip().splitlines()[-12:]),
+                fix="check the requirement's name and version, and the package index",
+            )
+    freeze_command = (
+        [uv, "pip", "freeze", "--python", str(python)] if uv
+        else [str(python), "-m", "pip", "freeze"]
+    )  # fmt: skip
+    done = subprocess.run(freeze_command, capture_output=True, text=True, env=environ)
+    packages = done.stdout.split()
+    (env_dir / MARKER).write_text(
+        json.dumps(
+            {
+                "requested": list(requested),
+                "installed": requirements,
+                "packages": packages,
+                "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "kvguard": importlib.metadata.version("pytest-kvguard"),
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    return python
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="kvguard-env",
+        description="Create (once) and cache a virtual environment with an engine version, for "
+        "--kvguard-engine-python and --kvguard-against. Prints its python on stdout; progress "
+        "goes to stderr. Uses uv where installed, else venv and pip.",
+    )
+    parser.add_argument(
+        "requirements", nargs="+", metavar="REQUIREMENT",
+        help='an engine requirement, e.g. "mlx-lm==0.28.0" (several may be given)',
+    )  # fmt: skip
+    parser.add_argument(
+        "--dir", type=Path, default=None,
+        help="where environments are cached (default: $KVGUARD_ENV_DIR, else "
+        "~/.cache/pytest-kvguard/envs); cache this folder in CI",
+    )  # fmt: skip
+    args = parser.parse_args(argv)
+    try:
+        python = create_environment(args.requirements, args.dir or default_root())
+    except KvguardError as exc:
+        print(f"kvguard-env: {exc}", file=sys.stderr)
+        return 1
+    print(python)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,275 @@
+"""Engine workers: every engine runs in a process kvguard starts, never in the pytest process.
+
+One worker per engine environment (a Python interpreter) and side (the run judged, or the
+other run of an upgrade preview), reused across checks so models stay loaded and runs shared
+by several checks are computed once. A worker that dies (SIGILL, SIGSEGV, an abort) or runs
+past a check's time limit costs that one check: it becomes an ERROR row that names the cause,
+the worker is started again for the next check, and the run goes on.
+
+Worker and pytest process talk over two pipes (``multiprocessing.connection`` framing and
+pickles); the engine's own stdout and stderr go to a file whose tail a death message quotes.
+The worker always runs this very copy of pytest_kvguard (a link to it goes first on PYTHONPATH):
+another environment supplies the engine and its dependencies, not kvguard's protocol.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import signal
+import site
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cache
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import IO, Any
+
+from pytest_kvguard.engines import ENGINES, EngineInfo, EngineOptions
+from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.outcome import Outcome
+from pytest_kvguard.scenarios import SCENARIOS
+from pytest_kvguard.scenarios.base import Check
+
+PACKAGE = Path(__file__).resolve().parent
+STDERR_TAIL_LINES = 8
+
+
+class WorkerLost(KvguardError):
+    """The worker running a check died or was killed: the check is lost, the run goes on."""
+
+    def __init__(self, message: str, *, log_tail: str = "") -> None:
+        super().__init__(message)
+        self.log_tail = log_tail
+        """The last lines the engine wrote to stderr before it went."""
+
+
+@dataclass(frozen=True)
+class WorkerSetup:
+    """What a worker needs before its first check, sent once when it starts."""
+
+    options: EngineOptions
+    fault: str | None = None
+    """A fault from ``pytest_kvguard.faults`` to run every check under (--kvguard-inject-fault)."""
+    engines: dict[str, EngineInfo] = field(default_factory=lambda: dict(ENGINES))
+    scenarios: dict[str, Any] = field(default_factory=lambda: dict(SCENARIOS))
+    """The registries as this pytest process has them (a test may register a toy engine)."""
+    import_path: list[str] = field(default_factory=list)
+    """Folders this process imports from outside its environment (pytest's rootdir, a tests
+    folder with a toy engine): put first on the worker's import path."""
+
+
+@cache
+def package_path() -> str:
+    """A folder holding only this pytest_kvguard (a link to it): first on every worker's
+    PYTHONPATH. Not the folder it sits in, which may be this environment's site-packages: another
+    environment's worker would import this one's engine from there."""
+    folder = tempfile.mkdtemp(prefix="kvguard-package-")
+    os.symlink(PACKAGE, os.path.join(folder, "pytest_kvguard"))
+    atexit.register(shutil.rmtree, folder, True)
+    return folder
+
+
+def own_import_path() -> list[str]:
+    """``sys.path`` entries outside this interpreter's installation and site-packages: what
+    pytest and the project added. Another environment must not see this one's packages."""
+    installed = {sys.prefix, sys.base_prefix, sys.exec_prefix, *site.getsitepackages(),
+                 site.getusersitepackages()}  # fmt: skip
+    roots = [str(Path(p).resolve()) for p in installed if p]
+
+    def inside(entry: str) -> bool:
+        resolved = str(Path(entry).resolve())
+        return any(resolved == r or resolved.startswith(r + os.sep) for r in roots)
+
+    return [p for p in sys.path if p and not inside(p)]
+
+
+def describe_exit(returncode: int) -> str:
+    """``SIGILL (illegal instruction)``, ``SIGKILL (killed; out of memory?)``, ``exit code 3``."""
+    if returncode >= 0:
+        return f"exit code {returncode}"
+    try:
+        number = signal.Signals(-returncode)
+    except ValueError:
+        return f"signal {-returncode}"
+    text = (signal.strsignal(number) or "").lower()
+    if number == signal.SIGKILL:
+        text = "killed; out of memory?"
+    return f"{number.name} ({text})" if text else number.name
+
+
+def _tail(log: IO[bytes]) -> str:
+    log.flush()
+    log.seek(0)
+    lines = [ln for ln in log.read().decode(errors="replace").splitlines() if ln.strip()]
+    log.seek(0, os.SEEK_END)
+    return "\n".join(lines[-STDERR_TAIL_LINES:])
+
+
+class EngineWorker:
+    """One worker process on one interpreter; started on first use and after a loss."""
+
+    def __init__(self, python: str, setup: WorkerSetup, say: Callable[[str, bool], None]) -> None:
+        self.python = python
+        self.setup = setup
+        self._say = say
+        self._process: subprocess.Popen[bytes] | None = None
+        self._send: Connection | None = None
+        self._receive: Connection | None = None
+        self._log: IO[bytes] | None = None
+        self.starts = 0
+
+    @property
+    def alive(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def _start(self) -> None:
+        to_worker_read, to_worker_write = os.pipe()
+        from_worker_read, from_worker_write = os.pipe()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_path(), env.get("PYTHONPATH")) if p)
+        # Closed in _stop(), when the worker is gone: its tail explains a death.
+        self._log = tempfile.TemporaryFile(prefix="kvguard-worker-")  # noqa: SIM115
+        try:
+            self._process = subprocess.Popen(
+                [self.python, "-m", "pytest_kvguard.engine_worker",
+                 str(to_worker_read), str(from_worker_write)],
+                pass_fds=(to_worker_read, from_worker_write),
+                stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log, env=env,
+            )  # fmt: skip
+        except OSError as exc:
+            for fd in (to_worker_read, to_worker_write, from_worker_read, from_worker_write):
+                os.close(fd)
+            raise KvguardError(
+                f"cannot start an engine worker with {self.python}: {exc.strerror}",
+                fix="pass the python of a virtual environment (kvguard-env prints one)",
+            ) from None
+        os.close(to_worker_read)
+        os.close(from_worker_write)
+        self._send = Connection(to_worker_write, readable=False)
+        self._receive = Connection(from_worker_read, writable=False)
+        self.starts += 1
+        self._send.send(self.setup.import_path)
+        self._send.send(self.setup)
+
+    def run(self, check: Check[Any], timeout: float | None) -> Outcome:
+        """The check's outcome from this worker; ``WorkerLost`` when the worker does not live
+        to give it, ``KvguardError`` for what the check itself got wrong."""
+        if not self.alive:
+            self._stop()
+            self._start()
+        assert self._send is not None and self._receive is not None
+        what = f"{check.name} on {' and '.join(check.engines)}"
+        try:
+            self._send.send(("run", check))
+        except OSError:
+            raise self._lost(what) from None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self._receive.poll(wait):
+                self._kill()
+                raise WorkerLost(
+                    f"engine worker timed out after {timeout:g} s while running {what}; killed "
+                    "(fix: raise the check's timeout, or find why the engine hangs)",
+                    log_tail=self._log_tail(),
+                )
+            try:
+                message = self._receive.recv()
+            except (EOFError, OSError):
+                raise self._lost(what) from None
+            kind = message[0]
+            if kind == "say":
+                self._say(message[1], message[2])
+            elif kind == "outcome":
+                outcome: Outcome = message[1]
+                return outcome
+            elif kind == "error":
+                error: KvguardError = message[1]
+                raise error
+            else:  # "bug": an exception kvguard did not expect, with its traceback
+                raise KvguardError(f"engine worker raised {message[1]}")
+
+    def _log_tail(self) -> str:
+        return _tail(self._log) if self._log is not None else ""
+
+    def _lost(self, what: str) -> WorkerLost:
+        assert self._process is not None
+        try:
+            code = self._process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._kill()
+            code = -signal.SIGKILL
+        tail = self._log_tail()
+        self._stop()
+        return WorkerLost(
+            f"engine worker died: {describe_exit(code)} while running {what}", log_tail=tail
+        )
+
+    def _kill(self) -> None:
+        if self._process is not None and self._process.poll() is None:
+            self._process.kill()
+            self._process.wait()
+
+    def _stop(self) -> None:
+        for conn in (self._send, self._receive):
+            if conn is not None:
+                conn.close()
+        self._send = self._receive = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        self._process = None
+
+    def close(self) -> None:
+        """Ask the worker to unload its engines and leave; kill it if it does not."""
+        if self.alive and self._send is not None:
+            try:
+                self._send.send(("close",))
+                assert self._process is not None
+                self._process.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        self._kill()
+        self._stop()
+
+
+class WorkerPool:
+    """The session's workers, by interpreter and side."""
+
+    def __init__(
+        self,
+        options: EngineOptions,
+        say: Callable[[str, bool], None],
+        fault: str | None = None,
+    ) -> None:
+        self.options = options
+        self.fault = fault
+        self._say = say
+        self._workers: dict[tuple[str, bool], EngineWorker] = {}
+
+    def worker(self, python: str, *, judged: bool = True) -> EngineWorker:
+        """The worker for this interpreter; ``judged=False`` for an upgrade preview's other run,
+        which never runs under an injected fault."""
+        key = (python, judged)
+        if key not in self._workers:
+            setup = WorkerSetup(
+                self.options, fault=self.fault if judged else None, import_path=own_import_path()
+            )
+            self._workers[key] = EngineWorker(python, setup, self._say)
+        return self._workers[key]
+
+    def run(
+        self, check: Check[Any], python: str, timeout: float | None, *, judged: bool = True
+    ) -> Outcome:
+        return self.worker(python, judged=judged).run(check, timeout)
+
+    def close(self) -> None:
+        for worker in self._workers.values():
+            worker.close()
+        self._workers.clear()
