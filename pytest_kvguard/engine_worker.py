@@ -4,7 +4,7 @@ Started by ``workers.EngineWorker``; not a command for users. It receives the fo
 pytest process imports from outside its environment and a ``WorkerSetup``, then
 ``("run", check)`` requests, and answers each with ``("say", line, detail)`` progress lines
 followed by ``("outcome", outcome)``, ``("error", KvguardError)`` (something the user can fix)
-or ``("bug", text)`` (any other exception, with its traceback). Engines load once and stay
+or ``("bug", summary, traceback)`` (any other exception). Engines load once and stay
 loaded; runs are shared across checks as they were in one pytest process.
 """
 
@@ -49,7 +49,7 @@ def serve(receive: Connection, send: Connection) -> None:
                 send.send(("error", exc))
             except Exception as exc:  # noqa: BLE001 - the check's error, with its traceback
                 text = "".join(traceback.format_exception(exc)).rstrip()
-                send.send(("bug", f"{type(exc).__name__}: {exc}\n{text}"))
+                send.send(("bug", f"{type(exc).__name__}: {exc}", text))
             else:
                 send.send(("outcome", outcome))
 

@@ -123,8 +123,11 @@ def _version_in(python: str, distribution: str) -> str | None:
 
 # kvguard-env: create and cache an environment for an engine requirement.
 
-RUNTIME_REQUIREMENTS = ("numpy>=1.26", "gguf>=0.10")
-"""What a worker imports besides the engine (pytest_kvguard itself comes from PYTHONPATH)."""
+def runtime_requirements() -> list[str]:
+    """pytest-kvguard's own dependencies but pytest: what a worker imports besides the engine
+    (pytest_kvguard itself comes from the pytest process, on PYTHONPATH)."""
+    declared = importlib.metadata.requires("pytest-kvguard") or []
+    return [r for r in declared if "extra ==" not in r and _name_of(r) != "pytest"]
 X86_CMAKE_ARGS = "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
 """llama.cpp build flags on x86-64: a native build can die with SIGILL (see README)."""
 MARKER = "kvguard-env.json"
@@ -143,7 +146,7 @@ def environment_requirements(requested: Sequence[str]) -> list[str]:
     pip's wheel cache usually has).
     """
     names = {_name_of(r) for r in requested}
-    extra = list(RUNTIME_REQUIREMENTS)
+    extra = runtime_requirements()
     if "mlx-lm" in names:
         if sys.platform == "linux" and "mlx" not in names:
             extra.append("mlx[cpu]")

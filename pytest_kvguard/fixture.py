@@ -22,6 +22,7 @@ from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.outcome import Outcome
 from pytest_kvguard.scenarios import SCENARIOS
 from pytest_kvguard.session import ENVIRONMENTS_KEY, record, run_gated
+from pytest_kvguard.workers import WorkerError
 
 FIXTURE_DEFAULTS = {"engine": "llama_cpp", "engines": ["llama_cpp", "mlx"], "model": "smollm2-135m"}
 """What a fixture call gets where it names no engine or model: the bundled default model on
@@ -74,8 +75,9 @@ class KvguardFixture:
                 ),
             )
             outcome = run_gated(node.config, check)
-        except KvguardError as exc:  # WorkerLost too: the test fails with the cause
-            error = f"{node.nodeid}: {exc}"
+        except KvguardError as exc:  # a lost worker too: the test fails with the cause
+            detail = exc.detail if isinstance(exc, WorkerError) and exc.detail else ""
+            error = f"{node.nodeid}: {exc}" + (f"\n{detail}" if detail else "")
         else:
             record(node, outcome)
             return outcome

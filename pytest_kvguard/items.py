@@ -11,7 +11,7 @@ from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.outcome import CheckError
 from pytest_kvguard.scenarios.base import Check
 from pytest_kvguard.session import BUDGETS_KEY, record, record_error, run_gated
-from pytest_kvguard.workers import WorkerLost
+from pytest_kvguard.workers import WorkerError, WorkerLost
 
 
 class BudgetsCollector(pytest.File):
@@ -39,14 +39,12 @@ class CheckItem(pytest.Item):
         check = self.check
         try:
             outcome = run_gated(self.config, check)
-        except WorkerLost as exc:
-            record_error(self, CheckError(check.name, str(exc), check.scenario, lost=True))
-            tail = f"\nlast lines the engine wrote:\n{exc.log_tail}" if exc.log_tail else ""
-            raise KvguardError(f"{check.where}: {exc}{tail}") from None
         except KvguardError as exc:
             message = str(exc) if exc.path else f"{check.where}: {exc}"
-            record_error(self, CheckError(check.name, message, check.scenario))
-            raise KvguardError(message) from None
+            lost = isinstance(exc, WorkerLost)
+            record_error(self, CheckError(check.name, message, check.scenario, lost=lost))
+            detail = exc.detail if isinstance(exc, WorkerError) and exc.detail else ""
+            raise KvguardError(f"{message}\n{detail}" if detail else message) from None
         record(self, outcome)
         if outcome.verdict == "FAIL":
             raise CheckFailed(f"{'; '.join(outcome.violations)} [{check.where}]")

@@ -40,13 +40,17 @@ PACKAGE = Path(__file__).resolve().parent
 STDERR_TAIL_LINES = 8
 
 
-class WorkerLost(KvguardError):
-    """The worker running a check died or was killed: the check is lost, the run goes on."""
+class WorkerError(KvguardError):
+    """A check's engine worker failed it in a way only the worker can tell: ``detail`` (a
+    traceback, the engine's last words) belongs in the failure, not in the report's row."""
 
-    def __init__(self, message: str, *, log_tail: str = "") -> None:
-        super().__init__(message)
-        self.log_tail = log_tail
-        """The last lines the engine wrote to stderr before it went."""
+    def __init__(self, message: str, *, fix: str | None = None, detail: str = "") -> None:
+        super().__init__(message, fix=fix)
+        self.detail = detail
+
+
+class WorkerLost(WorkerError):
+    """The worker running a check died or was killed: the check is lost, the run goes on."""
 
 
 @dataclass(frozen=True)
@@ -175,9 +179,9 @@ class EngineWorker:
             if not self._receive.poll(wait):
                 self._kill()
                 raise WorkerLost(
-                    f"engine worker timed out after {timeout:g} s while running {what}; killed "
-                    "(fix: raise the check's timeout, or find why the engine hangs)",
-                    log_tail=self._log_tail(),
+                    f"engine worker timed out after {timeout:g} s while running {what}; killed",
+                    fix="raise the check's timeout, or find why the engine hangs",
+                    detail=self._last_words(),
                 )
             try:
                 message = self._receive.recv()
@@ -192,11 +196,12 @@ class EngineWorker:
             elif kind == "error":
                 error: KvguardError = message[1]
                 raise error
-            else:  # "bug": an exception kvguard did not expect, with its traceback
-                raise KvguardError(f"engine worker raised {message[1]}")
+            else:  # "bug": an exception kvguard did not expect, and its traceback
+                raise WorkerError(f"engine worker raised {message[1]}", detail=message[2])
 
-    def _log_tail(self) -> str:
-        return _tail(self._log) if self._log is not None else ""
+    def _last_words(self) -> str:
+        tail = _tail(self._log) if self._log is not None else ""
+        return f"last lines the engine wrote:\n{tail}" if tail else ""
 
     def _lost(self, what: str) -> WorkerLost:
         assert self._process is not None
@@ -205,10 +210,10 @@ class EngineWorker:
         except subprocess.TimeoutExpired:
             self._kill()
             code = -signal.SIGKILL
-        tail = self._log_tail()
+        last_words = self._last_words()
         self._stop()
         return WorkerLost(
-            f"engine worker died: {describe_exit(code)} while running {what}", log_tail=tail
+            f"engine worker died: {describe_exit(code)} while running {what}", detail=last_words
         )
 
     def _kill(self) -> None:
