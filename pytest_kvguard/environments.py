@@ -123,11 +123,14 @@ def _version_in(python: str, distribution: str) -> str | None:
 
 # kvguard-env: create and cache an environment for an engine requirement.
 
+
 def runtime_requirements() -> list[str]:
     """pytest-kvguard's own dependencies but pytest: what a worker imports besides the engine
     (pytest_kvguard itself comes from the pytest process, on PYTHONPATH)."""
     declared = importlib.metadata.requires("pytest-kvguard") or []
     return [r for r in declared if "extra ==" not in r and _name_of(r) != "pytest"]
+
+
 X86_CMAKE_ARGS = "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
 """llama.cpp build flags on x86-64: a native build can die with SIGILL (see README)."""
 MARKER = "kvguard-env.json"
