@@ -274,8 +274,9 @@ def render_preview(rows: Sequence[Row], fmt: str = "simple") -> str:
             lines.append([row.name if i == 0 else "", *cells, row.verdict if i == 0 else ""])
     if not lines:
         return ""
-    versions = sorted({(o.engine, o.engine_version, o.against.get("engine_version", "?"))
-                       for o in rows if isinstance(o, Outcome) and o.against})  # fmt: skip
+    versions = sorted({(o.engine, o.engine_version, o.against["engine_version"])
+                       for o in rows if isinstance(o, Outcome) and o.against
+                       and "engine_version" in o.against})  # fmt: skip
     title = "; ".join(f"{e} {old} -> {new}" for e, new, old in versions)
     table = tabulate(lines, headers=["check", "figure", "against", "this run", "change", "verdict"],
                      tablefmt=fmt, disable_numparse=True)  # fmt: skip
