@@ -53,7 +53,10 @@ def format_figure(value: float) -> str:
 
 def format_change(old: float, new: float) -> str:
     """``+5.00%`` (relative), or the absolute step where the old value is 0."""
-    return f"{(new / old - 1) * 100:+.2f}%" if old else f"{new - old:+g}"
+    if old:
+        return f"{(new / old - 1) * 100:+.2f}%"
+    step = new - old
+    return ("+" if step >= 0 else "-") + format_figure(abs(step))
 
 
 def mib(n_bytes: float, digits: int = 1) -> str:
