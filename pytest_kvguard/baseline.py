@@ -241,11 +241,12 @@ def compare_with_other_run(
     )
 
 
-def other_run_failed(outcome: Outcome, python: str, error: str) -> Outcome:
-    """Upgrade preview whose other run could not run: never a pass that compared nothing."""
+def other_run_failed(outcome: Outcome, python: str, error: str, detail: str) -> Outcome:
+    """Upgrade preview whose other run could not run: never a pass that compared nothing.
+    ``detail`` (the error with a worker's traceback or last words) goes to the JSON row."""
     return replace(
         outcome,
-        against={"python": python, "error": error},
+        against={"python": python, "error": detail},
         violations=[*outcome.violations, f"upgrade preview: the run in {python} failed: {error}"],
         baseline_status="preview failed",
     )

@@ -8,6 +8,7 @@ the line of the key at fault (budgets file) or left for the caller to place (fix
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -207,9 +208,10 @@ def _timeout(value: Any) -> float | None:
     """A check's time limit in seconds (None: the session's, from --kvguard-timeout)."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or not 0 < value < math.inf:  # nan fails both comparisons
         raise KvguardError(
-            f"timeout must be a number of seconds above 0, got {value!r}",
+            f"timeout must be a finite number of seconds above 0, got {value!r}",
             fix="write e.g. timeout: 900",
             key="timeout",
         )

@@ -1,7 +1,8 @@
-"""The engine worker's main: ``python -m pytest_kvguard.engine_worker READ_FD WRITE_FD``.
+"""The engine worker's main: ``main()`` with the two pipe ends READ_FD WRITE_FD as arguments.
 
 Started by ``workers.EngineWorker``; not a command for users. It receives the folders the
-pytest process imports from outside its environment and a ``WorkerSetup``, then
+pytest process imports from outside its environment and a ``WorkerSetup`` (it answers
+``("ready",)``), then
 ``("run", check)`` requests, and answers each with ``("say", line, detail)`` progress lines
 followed by ``("outcome", outcome)``, ``("error", KvguardError)`` (something the user can fix)
 or ``("bug", summary, traceback)`` (any other exception). Engines load once and stay
@@ -11,7 +12,10 @@ loaded; runs are shared across checks as they were in one pytest process.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
+import threading
+import time
 import traceback
 from multiprocessing.connection import Connection
 
@@ -27,6 +31,7 @@ def serve(receive: Connection, send: Connection) -> None:
     # The registries as the pytest process has them: a test may add a toy engine or scenario.
     engines.ENGINES.update(setup.engines)
     scenarios.SCENARIOS.update(setup.scenarios)
+    send.send(("ready",))
 
     def say(line: str, detail: bool = False) -> None:
         send.send(("say", line, detail))
@@ -54,7 +59,20 @@ def serve(receive: Connection, send: Connection) -> None:
                 send.send(("outcome", outcome))
 
 
+def _exit_with_parent() -> None:
+    """A worker stuck in an engine call must not outlive a pytest process that was killed."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="kvguard-parent-watch", daemon=True).start()
+
+
 def main() -> None:
+    _exit_with_parent()
     receive = Connection(int(sys.argv[1]), writable=False)
     send = Connection(int(sys.argv[2]), readable=False)
     try:

@@ -13,6 +13,7 @@ itself: the worker always runs this copy of pytest_kvguard (see ``workers``).
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import importlib.metadata
 import json
@@ -161,7 +162,9 @@ def environment_requirements(requested: Sequence[str]) -> list[str]:
 
 def environment_dir(requirements: Sequence[str], root: Path) -> Path:
     """One folder per requirement set, interpreter version and platform."""
-    identity = "\n".join([*sorted(requirements), sys.version, platform.platform()])
+    # Not platform.platform(): it names the kernel release, which a CI runner's update changes.
+    machine = [platform.system(), platform.machine(), *platform.libc_ver()]
+    identity = "\n".join([*sorted(requirements), sys.version, *machine])
     digest = hashlib.sha256(identity.encode()).hexdigest()[:12]
     slug = re.sub(r"[^A-Za-z0-9.]+", "-", "-".join(requirements[:2])).strip("-")[:48]
     return root / f"{slug}-{digest}"
@@ -183,12 +186,19 @@ def create_environment(requested: Sequence[str], root: Path, log: Path | None = 
     """The python of a cached environment with these requirements, made now if need be."""
     requirements = environment_requirements(requested)
     env_dir = environment_dir(requirements, root)
+    env_dir.parent.mkdir(parents=True, exist_ok=True)
+    # One creator at a time (parallel CI jobs, xdist workers): the others wait, then reuse it.
+    with open(env_dir.with_name(env_dir.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _create(requested, requirements, env_dir)
+
+
+def _create(requested: Sequence[str], requirements: list[str], env_dir: Path) -> Path:
     python = python_of(env_dir)
     if (env_dir / MARKER).is_file() and python.exists():
         return python
     if env_dir.exists():
         shutil.rmtree(env_dir)  # a half-made environment from an interrupted run
-    env_dir.parent.mkdir(parents=True, exist_ok=True)
     uv = shutil.which("uv")
     environ = dict(os.environ)
     if platform.machine() == "x86_64":

@@ -19,10 +19,10 @@ from pytest_kvguard.budgets import Budgets
 from pytest_kvguard.checks import Written, build_check
 from pytest_kvguard.environments import Environments
 from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.outcome import Outcome
+from pytest_kvguard.outcome import CheckError, Outcome
 from pytest_kvguard.scenarios import SCENARIOS
-from pytest_kvguard.session import ENVIRONMENTS_KEY, record, run_gated
-from pytest_kvguard.workers import WorkerError
+from pytest_kvguard.session import ENVIRONMENTS_KEY, record, record_error, run_gated
+from pytest_kvguard.workers import WorkerLost, failure_text
 
 FIXTURE_DEFAULTS = {"engine": "llama_cpp", "engines": ["llama_cpp", "mlx"], "model": "smollm2-135m"}
 """What a fixture call gets where it names no engine or model: the bundled default model on
@@ -74,11 +74,17 @@ class KvguardFixture:
                     node.config.stash.get(ENVIRONMENTS_KEY, Environments()).python
                 ),
             )
-            outcome = run_gated(node.config, check)
-        except KvguardError as exc:  # a lost worker too: the test fails with the cause
-            detail = exc.detail if isinstance(exc, WorkerError) and exc.detail else ""
-            error = f"{node.nodeid}: {exc}" + (f"\n{detail}" if detail else "")
+        except KvguardError as exc:  # the test's own call is wrong: no check to report
+            error = f"{node.nodeid}: {exc}"
         else:
-            record(node, outcome)
-            return outcome
+            try:
+                outcome = run_gated(node.config, check)
+            except KvguardError as exc:  # a lost worker too: a row that says so, and the cause
+                lost = isinstance(exc, WorkerLost)
+                text = f"{node.nodeid}: {exc}"
+                record_error(node, CheckError(check.name, text, scenario, lost=lost))
+                error = f"{node.nodeid}: {failure_text(exc)}"
+            else:
+                record(node, outcome)
+                return outcome
         pytest.fail(error, pytrace=False)  # outside the except: no chained traceback

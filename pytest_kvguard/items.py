@@ -11,7 +11,7 @@ from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.outcome import CheckError
 from pytest_kvguard.scenarios.base import Check
 from pytest_kvguard.session import BUDGETS_KEY, record, record_error, run_gated
-from pytest_kvguard.workers import WorkerError, WorkerLost
+from pytest_kvguard.workers import WorkerLost, failure_text
 
 
 class BudgetsCollector(pytest.File):
@@ -43,8 +43,8 @@ class CheckItem(pytest.Item):
             message = str(exc) if exc.path else f"{check.where}: {exc}"
             lost = isinstance(exc, WorkerLost)
             record_error(self, CheckError(check.name, message, check.scenario, lost=lost))
-            detail = exc.detail if isinstance(exc, WorkerError) and exc.detail else ""
-            raise KvguardError(f"{message}\n{detail}" if detail else message) from None
+            detail = failure_text(exc).removeprefix(str(exc))
+            raise KvguardError(message + detail) from None
         record(self, outcome)
         if outcome.verdict == "FAIL":
             raise CheckFailed(f"{'; '.join(outcome.violations)} [{check.where}]")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -105,7 +106,7 @@ def timeout_setting(config: pytest.Config) -> float | None:
         seconds = float(raw)
     except ValueError:
         seconds = -1.0
-    if seconds < 0:
+    if not 0 <= seconds < math.inf:  # nan fails both comparisons
         raise pytest.UsageError(
             f"--kvguard-timeout {raw!r} is not a number of seconds (fix: e.g. 900, or 0 for none)"
         )

@@ -26,7 +26,7 @@ from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.outcome import CheckError, Outcome
 from pytest_kvguard.runner import Runner
 from pytest_kvguard.scenarios.base import Check
-from pytest_kvguard.workers import WorkerPool
+from pytest_kvguard.workers import WorkerPool, failure_text
 
 BUDGETS_KEY = pytest.StashKey[BudgetsFile]()
 RUNNER_KEY = pytest.StashKey[Runner]()
@@ -76,8 +76,8 @@ def run_gated(config: pytest.Config, check: Check[Any]) -> Outcome:
     if other_python is not None:
         try:
             other = pool.run(sent, other_python, timeout, judged=False)
-        except KvguardError as exc:
-            return other_run_failed(outcome, other_python, str(exc))
+        except KvguardError as exc:  # the other run's last words stay in its JSON row
+            return other_run_failed(outcome, other_python, str(exc), failure_text(exc))
         return compare_with_other_run(outcome, other, _tolerances(config), other_python)
     if why_not is not None:
         return replace(outcome, baseline_status=why_not)

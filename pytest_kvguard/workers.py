@@ -37,6 +37,12 @@ from pytest_kvguard.scenarios import SCENARIOS
 from pytest_kvguard.scenarios.base import Check
 
 PACKAGE = Path(__file__).resolve().parent
+START_SECONDS = 300.0
+"""How long a worker may take to import kvguard and read its setup before it counts as broken."""
+WORKER_MAIN = (
+    "import sys; del sys.path[0]; "  # not the current folder: it may hold another pytest_kvguard
+    "from pytest_kvguard.engine_worker import main; main()"
+)
 STDERR_TAIL_LINES = 8
 
 
@@ -53,6 +59,12 @@ class WorkerLost(WorkerError):
     """The worker running a check died or was killed: the check is lost, the run goes on."""
 
 
+def failure_text(error: KvguardError) -> str:
+    """The error, and a worker's detail (traceback, the engine's last words) below it."""
+    detail = error.detail if isinstance(error, WorkerError) else ""
+    return f"{error}\n{detail}" if detail else str(error)
+
+
 @dataclass(frozen=True)
 class WorkerSetup:
     """What a worker needs before its first check, sent once when it starts."""
@@ -63,9 +75,6 @@ class WorkerSetup:
     engines: dict[str, EngineInfo] = field(default_factory=lambda: dict(ENGINES))
     scenarios: dict[str, Any] = field(default_factory=lambda: dict(SCENARIOS))
     """The registries as this pytest process has them (a test may register a toy engine)."""
-    import_path: list[str] = field(default_factory=list)
-    """Folders this process imports from outside its environment (pytest's rootdir, a tests
-    folder with a toy engine): put first on the worker's import path."""
 
 
 @cache
@@ -80,8 +89,9 @@ def package_path() -> str:
 
 
 def own_import_path() -> list[str]:
-    """``sys.path`` entries outside this interpreter's installation and site-packages: what
-    pytest and the project added. Another environment must not see this one's packages."""
+    """``sys.path`` entries pytest and the project added (rootdir, a tests folder with a toy
+    engine), outside this interpreter's installation. Another environment must not see this
+    one's packages, editable ones included."""
     installed = {sys.prefix, sys.base_prefix, sys.exec_prefix, *site.getsitepackages(),
                  site.getusersitepackages()}  # fmt: skip
     roots = [str(Path(p).resolve()) for p in installed if p]
@@ -90,7 +100,22 @@ def own_import_path() -> list[str]:
         resolved = str(Path(entry).resolve())
         return any(resolved == r or resolved.startswith(r + os.sep) for r in roots)
 
-    return [p for p in sys.path if p and not inside(p)]
+    added_by_site = _pth_entries()
+    return [p for p in sys.path
+            if p and os.path.exists(p)  # not a path hook's name
+            and str(Path(p).resolve()) not in added_by_site and not inside(p)]  # fmt: skip
+
+
+@cache
+def _pth_entries() -> frozenset[str]:
+    """Folders this environment's ``.pth`` files add (editable installs): its own packages."""
+    entries = set()
+    for folder in [*site.getsitepackages(), site.getusersitepackages()]:
+        for pth in Path(folder).glob("*.pth") if os.path.isdir(folder) else []:
+            for line in pth.read_text(errors="replace").splitlines():
+                if line.strip() and not line.startswith(("#", "import")):
+                    entries.add(str((Path(folder) / line.strip()).resolve()))
+    return frozenset(entries)
 
 
 def describe_exit(returncode: int) -> str:
@@ -126,7 +151,7 @@ class EngineWorker:
         self._send: Connection | None = None
         self._receive: Connection | None = None
         self._log: IO[bytes] | None = None
-        self.starts = 0
+        self._busy = False
 
     @property
     def alive(self) -> bool:
@@ -141,8 +166,7 @@ class EngineWorker:
         self._log = tempfile.TemporaryFile(prefix="kvguard-worker-")  # noqa: SIM115
         try:
             self._process = subprocess.Popen(
-                [self.python, "-m", "pytest_kvguard.engine_worker",
-                 str(to_worker_read), str(from_worker_write)],
+                [self.python, "-c", WORKER_MAIN, str(to_worker_read), str(from_worker_write)],
                 pass_fds=(to_worker_read, from_worker_write),
                 stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log, env=env,
             )  # fmt: skip
@@ -157,9 +181,24 @@ class EngineWorker:
         os.close(from_worker_write)
         self._send = Connection(to_worker_write, readable=False)
         self._receive = Connection(from_worker_read, writable=False)
-        self.starts += 1
-        self._send.send(self.setup.import_path)
-        self._send.send(self.setup)
+        try:
+            self._send.send(own_import_path())
+            self._send.send(self.setup)
+            ready = self._receive.poll(START_SECONDS) and self._receive.recv() == ("ready",)
+        except (EOFError, OSError):
+            ready = False
+        if not ready:
+            self._kill()
+            last_words = self._last_words()
+            self._stop()
+            last_line = last_words.rstrip().rpartition("\n")[2]
+            raise WorkerError(
+                f"the engine worker could not start with {self.python}"
+                + (f": {last_line}" if last_line else ""),
+                fix="check that environment has the engine and numpy, gguf, pyyaml, tabulate "
+                "(kvguard-env installs them)",
+                detail=last_words,
+            )
 
     def run(self, check: Check[Any], timeout: float | None) -> Outcome:
         """The check's outcome from this worker; ``WorkerLost`` when the worker does not live
@@ -169,6 +208,14 @@ class EngineWorker:
             self._start()
         assert self._send is not None and self._receive is not None
         what = f"{check.name} on {' and '.join(check.engines)}"
+        self._busy = True
+        try:
+            return self._exchange(check, what, timeout)
+        finally:
+            self._busy = False
+
+    def _exchange(self, check: Check[Any], what: str, timeout: float | None) -> Outcome:
+        assert self._send is not None and self._receive is not None
         try:
             self._send.send(("run", check))
         except OSError:
@@ -187,6 +234,11 @@ class EngineWorker:
                 message = self._receive.recv()
             except (EOFError, OSError):
                 raise self._lost(what) from None
+            except Exception as exc:  # an answer that does not unpickle: out of step, restart
+                self._kill()
+                raise WorkerError(
+                    f"engine worker's answer for {what} could not be read: {exc}"
+                ) from None
             kind = message[0]
             if kind == "say":
                 self._say(message[1], message[2])
@@ -206,15 +258,13 @@ class EngineWorker:
     def _lost(self, what: str) -> WorkerLost:
         assert self._process is not None
         try:
-            code = self._process.wait(timeout=30)
+            cause = describe_exit(self._process.wait(timeout=30))
         except subprocess.TimeoutExpired:
             self._kill()
-            code = -signal.SIGKILL
+            cause = "its pipe closed, and it did not exit within 30 s (killed)"
         last_words = self._last_words()
         self._stop()
-        return WorkerLost(
-            f"engine worker died: {describe_exit(code)} while running {what}", detail=last_words
-        )
+        return WorkerLost(f"engine worker died: {cause} while running {what}", detail=last_words)
 
     def _kill(self) -> None:
         if self._process is not None and self._process.poll() is None:
@@ -233,7 +283,7 @@ class EngineWorker:
 
     def close(self) -> None:
         """Ask the worker to unload its engines and leave; kill it if it does not."""
-        if self.alive and self._send is not None:
+        if self.alive and self._send is not None and not self._busy:
             try:
                 self._send.send(("close",))
                 assert self._process is not None
@@ -263,9 +313,7 @@ class WorkerPool:
         which never runs under an injected fault."""
         key = (python, judged)
         if key not in self._workers:
-            setup = WorkerSetup(
-                self.options, fault=self.fault if judged else None, import_path=own_import_path()
-            )
+            setup = WorkerSetup(self.options, fault=self.fault if judged else None)
             self._workers[key] = EngineWorker(python, setup, self._say)
         return self._workers[key]
 

@@ -102,8 +102,12 @@ def test_the_session_time_limit_applies_where_a_check_sets_none(
 @pytest.mark.parametrize(
     ("value", "message"),
     [
-        ("timeout: 0", "budgets.yaml:11: timeout must be a number of seconds above 0, got 0"),
-        ("timeout: soon", "budgets.yaml:11: timeout must be a number of seconds above 0"),
+        (
+            "timeout: 0",
+            "budgets.yaml:11: timeout must be a finite number of seconds above 0, got 0",
+        ),
+        ("timeout: soon", "budgets.yaml:11: timeout must be a finite number of seconds above 0"),
+        ("timeout: .inf", "budgets.yaml:11: timeout must be a finite number of seconds above 0"),
     ],
 )
 def test_a_bad_timeout_names_its_line(gate: pytest.Pytester, value: str, message: str) -> None:
@@ -234,3 +238,26 @@ def test_exit_statuses_read_as_causes() -> None:
     assert describe_exit(-9) == "SIGKILL (killed; out of memory?)"
     assert describe_exit(-11) == "SIGSEGV (segmentation fault)"
     assert describe_exit(3) == "exit code 3"
+
+
+def test_an_environment_that_cannot_start_a_worker_is_one_line_per_check(
+    gate: pytest.Pytester,
+) -> None:
+    """Not a crash: the worker never got to a check, so no check counts as lost."""
+    broken = gate.path / "broken-python"
+    broken.write_text(
+        "#!/bin/sh\necho \"ModuleNotFoundError: No module named 'gguf'\" >&2\nexit 1\n"
+    )
+    broken.chmod(broken.stat().st_mode | stat.S_IXUSR)
+    write_checks(gate)
+    result = gate.runpytest(
+        "--kvguard", "budgets.yaml", f"--kvguard-engine-python=fake={broken}",
+        "--kvguard-json", "report.json",
+    )  # fmt: skip
+    result.assert_outcomes(failed=3)
+    result.stdout.fnmatch_lines([
+        f"*budgets.yaml:7: the engine worker could not start with {broken}: "
+        "ModuleNotFoundError: No module named 'gguf' (fix: check that environment has the engine*"
+    ])  # fmt: skip
+    report = report_of(gate)
+    assert report["lost_checks"] == [] and {c["verdict"] for c in report["checks"]} == {"ERROR"}
