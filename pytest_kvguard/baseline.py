@@ -205,11 +205,18 @@ def compare_with_baseline(
     then = baseline.checks.get(outcome.name)
     if then is None:
         return replace(outcome, baseline_status="not in baseline")
+    return _judged_against(outcome, then, rules, "baseline")
+
+
+def _judged_against(
+    outcome: Outcome, then: Mapping[str, Any], rules: Mapping[str, Tolerance], label: str
+) -> Outcome:
+    """What changed since ``then`` (an earlier row), and any regression as a violation."""
     now = outcome.to_json()
     outcome = replace(outcome, baseline_changes=upgrades(then, now))
     if outcome.expect_violation:
         return replace(outcome, baseline_status="not compared (negative control)")
-    found = regressions(then, now, rules)
+    found = regressions(then, now, rules, against=label)
     return replace(
         outcome,
         violations=[*outcome.violations, *found],
@@ -221,7 +228,6 @@ def compare_with_other_run(
     outcome: Outcome, other: Outcome, rules: Mapping[str, Tolerance], python: str
 ) -> Outcome:
     """Upgrade preview: the outcome judged against the same check run in another environment."""
-    then = other.to_json()
     summary = {
         "python": python,
         "engine_version": other.engine_version,
@@ -229,16 +235,8 @@ def compare_with_other_run(
         "metrics": other.metrics,
         "violations": other.violations,
     }
-    outcome = replace(outcome, against=summary, baseline_changes=upgrades(then, outcome.to_json()))
-    if outcome.expect_violation:
-        return replace(outcome, baseline_status="not compared (negative control)")
     label = f"{other.engine} {other.engine_version} (upgrade preview)"
-    found = regressions(then, outcome.to_json(), rules, against=label)
-    return replace(
-        outcome,
-        violations=[*outcome.violations, *found],
-        baseline_status="regressed" if found else "within tolerance",
-    )
+    return _judged_against(replace(outcome, against=summary), other.to_json(), rules, label)
 
 
 def other_run_failed(outcome: Outcome, python: str, error: str, detail: str) -> Outcome:

@@ -83,7 +83,7 @@ class KvguardFixture:
                 lost = isinstance(exc, WorkerLost)
                 text = f"{node.nodeid}: {exc}"
                 record_error(node, CheckError(check.name, text, scenario, lost=lost))
-                error = f"{node.nodeid}: {failure_text(exc)}"
+                error = failure_text(exc, text)
             else:
                 record(node, outcome)
                 return outcome

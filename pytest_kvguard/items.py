@@ -43,8 +43,7 @@ class CheckItem(pytest.Item):
             message = str(exc) if exc.path else f"{check.where}: {exc}"
             lost = isinstance(exc, WorkerLost)
             record_error(self, CheckError(check.name, message, check.scenario, lost=lost))
-            detail = failure_text(exc).removeprefix(str(exc))
-            raise KvguardError(message + detail) from None
+            raise KvguardError(failure_text(exc, message)) from None
         record(self, outcome)
         if outcome.verdict == "FAIL":
             raise CheckFailed(f"{'; '.join(outcome.violations)} [{check.where}]")

@@ -89,15 +89,18 @@ def pytest_configure(config: pytest.Config) -> None:
         if baseline_path is not None:
             config.stash[BASELINE_KEY] = load_baseline(baseline_path)
         budgets_path = path_setting(config, "kvguard_budgets")
+        command_line_pythons = parse_assignments(
+            list_setting(config, "kvguard_engine_python"), "--kvguard-engine-python"
+        )
         if budgets_path is not None:
-            elsewhere = frozenset(_command_line_pythons(config))
+            elsewhere = frozenset(command_line_pythons)
             budgets_file = load_budgets_file(budgets_path, installed_elsewhere=elsewhere)
             for check in budgets_file.checks:
                 try:
                     check.model.resolve()  # a missing model fails now, not mid-run
                 except KvguardError as exc:
                     raise KvguardError(f"{check.where}: {exc}") from None
-        environments = _environments(config, budgets_file)
+        environments = _environments(config, budgets_file, command_line_pythons)
     except KvguardError as exc:
         raise pytest.UsageError(str(exc)) from None
     if environments.against and BASELINE_KEY in config.stash:
@@ -117,18 +120,14 @@ def pytest_configure(config: pytest.Config) -> None:
         config.args.append(collect)
 
 
-def _command_line_pythons(config: pytest.Config) -> dict[str, str]:
-    return parse_assignments(
-        list_setting(config, "kvguard_engine_python"), "--kvguard-engine-python"
-    )
-
-
-def _environments(config: pytest.Config, budgets_file: BudgetsFile | None) -> Environments:
+def _environments(
+    config: pytest.Config, budgets_file: BudgetsFile | None, command_line_pythons: dict[str, str]
+) -> Environments:
     """Where each engine runs and the preview's other run: the command line (or ini) over the
     budgets file, engine by engine."""
     python = dict(budgets_file.engine_python) if budgets_file else {}
     against = dict(budgets_file.against) if budgets_file else {}
-    python.update(_command_line_pythons(config))
+    python.update(command_line_pythons)
     against.update(
         parse_assignments(
             list_setting(config, "kvguard_against"), "--kvguard-against", every_engine=True

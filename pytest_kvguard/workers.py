@@ -59,10 +59,12 @@ class WorkerLost(WorkerError):
     """The worker running a check died or was killed: the check is lost, the run goes on."""
 
 
-def failure_text(error: KvguardError) -> str:
-    """The error, and a worker's detail (traceback, the engine's last words) below it."""
+def failure_text(error: KvguardError, headline: str | None = None) -> str:
+    """The error (or ``headline`` in its place), and below it a worker's detail: a traceback,
+    the engine's last words."""
     detail = error.detail if isinstance(error, WorkerError) else ""
-    return f"{error}\n{detail}" if detail else str(error)
+    first = str(error) if headline is None else headline
+    return f"{first}\n{detail}" if detail else first
 
 
 @dataclass(frozen=True)

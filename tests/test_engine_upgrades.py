@@ -145,20 +145,21 @@ def test_kvguard_env_caches_the_environment(old_mlx_python: Path) -> None:
     assert "mlx-lm==0.28.0" in marker["packages"]
 
 
-def test_the_cap_holds_on_mlx_lm_0_28_0(pytester: pytest.Pytester, old_mlx_python: Path) -> None:
+def _run_cap_check(pytester: pytest.Pytester, *args: str) -> tuple[pytest.RunResult, dict]:  # type: ignore[type-arg]
+    """The cap check with these options; the result and its JSON row."""
     pytester.makefile(".yaml", budgets=CAP_CHECK)
-    result = pytester.runpytest(
-        "--kvguard", "budgets.yaml", f"--kvguard-engine-python=mlx={old_mlx_python}",
-        "--kvguard-json", "r.json",
-    )  # fmt: skip
+    result = pytester.runpytest("--kvguard", "budgets.yaml", "--kvguard-json", "r.json", *args)
+    return result, json.loads((pytester.path / "r.json").read_text())["checks"][0]
+
+
+def test_the_cap_holds_on_mlx_lm_0_28_0(pytester: pytest.Pytester, old_mlx_python: Path) -> None:
+    result, row = _run_cap_check(pytester, f"--kvguard-engine-python=mlx={old_mlx_python}")
     result.assert_outcomes(passed=1)
-    row = json.loads((pytester.path / "r.json").read_text())["checks"][0]
     assert row["engine_version"] == "0.28.0" and row["metrics"]["kv_entries"] == 256
 
 
 def test_the_cap_is_dropped_by_the_current_mlx_lm(pytester: pytest.Pytester) -> None:
-    pytester.makefile(".yaml", budgets=CAP_CHECK)
-    result = pytester.runpytest("--kvguard", "budgets.yaml")
+    result, _ = _run_cap_check(pytester)
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(
         ["*cap or window not applied*max_kv_entries*budget 256 entries, measured 384 entries*"]
@@ -168,11 +169,7 @@ def test_the_cap_is_dropped_by_the_current_mlx_lm(pytester: pytest.Pytester) -> 
 def test_the_upgrade_preview_flags_the_dropped_cap(
     pytester: pytest.Pytester, old_mlx_python: Path
 ) -> None:
-    pytester.makefile(".yaml", budgets=CAP_CHECK)
-    result = pytester.runpytest(
-        "--kvguard", "budgets.yaml", f"--kvguard-against=mlx={old_mlx_python}",
-        "--kvguard-json", "r.json",
-    )  # fmt: skip
+    result, row = _run_cap_check(pytester, f"--kvguard-against=mlx={old_mlx_python}")
     result.assert_outcomes(failed=1)
     now = installed_version("mlx")
     result.stdout.fnmatch_lines([
@@ -181,7 +178,6 @@ def test_the_upgrade_preview_flags_the_dropped_cap(
         "smollm2-mlx-engine-default-cap256*kv_bytes*",
         "*kv_entries*256*384*",
     ])  # fmt: skip
-    row = json.loads((pytester.path / "r.json").read_text())["checks"][0]
     assert row["against"]["engine_version"] == "0.28.0" and row["engine_version"] == now
     assert row["against"]["metrics"]["kv_entries"] == 256 and row["metrics"]["kv_entries"] == 384
     regression = next(v for v in row["violations"] if v.startswith("regressed against"))
