@@ -133,6 +133,17 @@ class Budgets:
         "sweep with positions [reindexed, absolute]: the largest |ppl ratio - 1| at one sink "
         "count, in %; a large gap pins a failure on position handling, not eviction.",
     )
+    max_chunk_gap_pct: float | None = _limit(
+        "chunk_gap_pct",
+        "max",
+        "%",
+        "chunk gap",
+        "post-eviction perplexity fed in chunks over fed one token at a time",
+        "stream and generate with chunk > 1: post-eviction perplexity of the chunked run over "
+        "the same policy fed one token at a time on the same ids, minus 1, in %. An engine whose "
+        "batched path keeps other tokens than its decode path shows here.",
+        span=(-100.0, math.inf),
+    )
     must_recall: bool | None = _limit(
         "forgot",
         "flag",

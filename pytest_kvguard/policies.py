@@ -43,6 +43,9 @@ class Policy:
     """``swa`` only: at most this many copies of the sliding-layer state kept while prefilling."""
     checkpoint_step: int = DEFAULT_CHECKPOINT_STEP
     """Minimum tokens between two checkpoints."""
+    chunk: int = 1
+    """Tokens fed per engine call once the cache is full: 1 is the decode path, more the
+    engine's batched (prefill) path, which evicts for the whole chunk at once."""
 
     @property
     def bounded(self) -> bool:
@@ -54,12 +57,14 @@ class Policy:
         if self.kind in ("full", "swa_full"):
             return self.kind
         if self.kind == "swa":
+            fed = f" chunk{self.chunk}" if self.chunk > 1 else ""
             if self.checkpoints:
-                return f"swa +ckpt {self.checkpoints}x/{self.checkpoint_step}"
-            return "swa (model window)"
+                return f"swa +ckpt {self.checkpoints}x/{self.checkpoint_step}{fed}"
+            return f"swa (model window){fed}"
         label = f"sink{self.sinks}/{self.cap}" if self.kind == "sink" else f"{self.kind}/{self.cap}"
         pos = "reidx" if self.positions == "reindexed" else "abs"
-        return f"{label} {pos} step{self.evict_step}"
+        fed = f" chunk{self.chunk}" if self.chunk > 1 else ""
+        return f"{label} {pos} step{self.evict_step}{fed}"
 
 
 def make_policy(
@@ -71,10 +76,13 @@ def make_policy(
     evict_step: int = 1,
     checkpoints: int = 0,
     checkpoint_step: int = DEFAULT_CHECKPOINT_STEP,
+    chunk: int = 1,
 ) -> Policy:
     """Build a policy, refusing combinations that would not mean what they say.
 
     ``full``, ``swa`` and ``swa_full`` take no cap (the model decides what each layer keeps).
+    ``chunk`` does not apply to ``full`` and ``swa_full``: they never evict, so their runs are
+    fed in prefill-sized chunks whatever it says.
     """
     if kind not in POLICY_KINDS:
         raise KvguardError(f"unknown policy '{kind}'", fix="use one of " + ", ".join(POLICY_KINDS))
@@ -91,12 +99,22 @@ def make_policy(
         )
     if checkpoints < 0 or checkpoint_step < 1:
         raise KvguardError("checkpoints must be >= 0 and checkpoint_step >= 1")
+    if chunk < 1:
+        raise KvguardError(
+            f"chunk must be >= 1, got {chunk}",
+            fix="use chunk: 1 (one token per call) or more",
+            key="params.chunk",
+        )
     if kind in ("full", "swa_full"):
         # Nothing is evicted, so cap/sinks/positions do not apply.
         return Policy(kind)
     if kind == "swa":
         return Policy(
-            "swa", positions=positions, checkpoints=checkpoints, checkpoint_step=checkpoint_step
+            "swa",
+            positions=positions,
+            checkpoints=checkpoints,
+            checkpoint_step=checkpoint_step,
+            chunk=chunk,
         )
     if cap is None:
         raise KvguardError(f"policy '{kind}' needs a cap", fix="set params.cap, e.g. cap: 256")
@@ -116,4 +134,13 @@ def make_policy(
             f"cap {cap} leaves no room for recent tokens (sinks {sinks}, evict_step {evict_step})",
             fix="raise cap above sinks + evict_step",
         )
-    return Policy(kind, cap=cap, sinks=sinks, positions=positions, evict_step=evict_step)
+    if chunk > cap - sinks:
+        # The chunk's own entries must fit in the cache beside the pinned ones.
+        raise KvguardError(
+            f"chunk {chunk} cannot fit beside {sinks} sink(s) in cap {cap}",
+            fix=f"use chunk: {cap - sinks} or less (cap - sinks), or raise cap",
+            key="params.chunk",
+        )
+    return Policy(
+        kind, cap=cap, sinks=sinks, positions=positions, evict_step=evict_step, chunk=chunk
+    )

@@ -22,6 +22,7 @@ import numpy as np
 from pytest_kvguard.engines import EngineInfo, EngineOptions
 from pytest_kvguard.errors import EngineError
 from pytest_kvguard.policies import Policy
+from pytest_kvguard.scenarios.feeding import Turn, converse_through_stream
 
 VOCAB = 32
 TOY_WINDOW = 16
@@ -37,6 +38,7 @@ INFO = EngineInfo(
         "stream": ("full", "window", "sink"),
         "memory": ("full", "window", "sink"),
         "edit_replay": ("full", "swa"),
+        "generate": ("window", "sink"),
     },
 )
 
@@ -68,6 +70,12 @@ class FakeEngine:
 
     def open_prefix_cache(self, policy: Policy, max_tokens: int) -> FakePrefixCache:
         return FakePrefixCache(policy)
+
+    def converse(
+        self, policy: Policy, token_ids: Sequence[int], turns: Sequence[Turn], prefill_step: int
+    ) -> np.ndarray:
+        stream = FakeStream(policy)
+        return converse_through_stream(stream, token_ids, turns, prefill_step)
 
     def close(self) -> None:
         pass

@@ -58,6 +58,28 @@ CASES = {
         "    budgets: {max_kv_entries: 64}\n",
         "budgets.yaml:6: params.sinks must be >= 0, got -1",
     ),
+    "chunk_zero": (
+        "    policy: sink\n    params: {cap: 64, tokens: 400, chunk: 0}\n"
+        "    budgets: {max_kv_entries: 64}\n",
+        "budgets.yaml:6: params.chunk must be >= 1, got 0",
+    ),
+    "chunk_past_the_sinks": (
+        "    policy: sink\n    params: {cap: 64, tokens: 400, sinks: 4, chunk: 61}\n"
+        "    budgets: {max_kv_entries: 64}\n",
+        "budgets.yaml:6: chunk 61 cannot fit beside 4 sink(s) in cap 64 (fix: use chunk: 60 or "
+        "less (cap - sinks), or raise cap)",
+    ),
+    "sweep_chunk_past_the_largest_sink_count": (
+        "    scenario: sweep\n    params: {cap: 64, tokens: 400, sinks: [0, 8], chunk: 60}\n"
+        "    budgets: {min_sink_gain_pct: 1}\n",
+        "budgets.yaml:6: chunk 60 cannot fit beside 8 sink(s) in cap 64*",
+    ),
+    "chunk_gap_fed_one_at_a_time": (
+        "    policy: sink\n    params: {cap: 64, tokens: 400}\n"
+        "    budgets: {max_chunk_gap_pct: 5}\n",
+        "budgets.yaml:7: max_chunk_gap_pct compares feeding in chunks with feeding one token at "
+        "a time, and this check feeds one token at a time (chunk 1)*",
+    ),
     # infinite
     "budget_inf": (
         "    policy: sink\n    params: {cap: 64, tokens: 400}\n"

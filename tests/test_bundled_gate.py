@@ -8,6 +8,7 @@ the JSON report of these outcomes and validates it against the documented schema
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,12 @@ def test_bundled_check(kvguard_runner: Runner, check: Check[Any]) -> None:
         evicts = spec.policy.kind != "full"
         assert m["fact_evicted"] == (evicts and spec.policy.sinks < m["fact_tokens"])
         return
+    if check.scenario == "generate":
+        # Reply tokens past the cap were scored against both comparison runs.
+        assert m["scored_tokens"] > 0
+        assert math.isfinite(m["single_token_post_eviction_ppl"])
+        assert math.isfinite(m["post_eviction_ppl"])
+        return
     if check.scenario == "parity":
         assert outcome.tokens == spec.tokens and m["mean_abs_nll_diff"] > 0
         return
@@ -74,6 +81,8 @@ def test_bundled_check(kvguard_runner: Runner, check: Check[Any]) -> None:
         assert m["first_eviction"] == cap  # token `cap` is the first that does not fit
         assert m["kv_entries"] == cap
         assert m["evicted"] == spec.tokens - cap
+        # A chunked run is compared with the same policy fed one token at a time.
+        assert ("chunk_gap_pct" in m) == (spec.policy.chunk > 1)
         # Before the first eviction every policy holds the same tokens: only batching differs.
         assert m["pre_eviction_ppl"] == pytest.approx(m["baseline_pre_eviction_ppl"], rel=2e-3)
     elif spec.policy.kind == "engine_default":

@@ -730,3 +730,37 @@ def _register_fake_engine_in_subprocesses(gate: pytest.Pytester) -> None:
         "import kvguard_fake_engine\nfrom pytest_kvguard.engines import ENGINES\n"
         "ENGINES['fake'] = kvguard_fake_engine.INFO\n"
     )
+
+
+def test_chunked_stream_and_generate_report_their_chunk_gap(gate: pytest.Pytester) -> None:
+    """Mechanics only (the toy keeps its sinks on every path): a chunked stream check runs the
+    same policy one token at a time too, and a generate check scores only its replies."""
+    gate.makefile(
+        ".yaml",
+        budgets="""
+version: 1
+defaults: {engine: fake, model: tiny.gguf, params: {cap: 64, tokens: 400}}
+checks:
+  - name: chunked
+    policy: sink
+    params: {chunk: 16}
+    budgets: {max_chunk_gap_pct: 5}
+  - name: turns
+    scenario: generate
+    policy: sink
+    params: {prompt: 30, reply: 10}
+    budgets: {max_chunk_gap_pct: 5}
+""",
+    )
+    result = gate.runpytest("--kvguard", "budgets.yaml", "--kvguard-json", "r.json")
+    assert result.ret == 0, result.stdout.str()
+    checks = {c["name"]: c for c in json.loads((gate.path / "r.json").read_text())["checks"]}
+    chunked = checks["chunked"]
+    assert chunked["policy"] == "sink4/64 reidx step1 chunk16"
+    assert "single_token" in chunked["seconds"]
+    assert chunked["metrics"]["chunk_gap_pct"] == pytest.approx(0.0, abs=1e-9)
+    turns = checks["turns"]["metrics"]
+    # 10 turns of 30 + 10 tokens; replies fed after token 64 (the first that does not fit)
+    # are scored: turns 1 to 9.
+    assert turns["scored_tokens"] == 9 * 10
+    assert checks["turns"]["detail"] == {"turns": 10, "prefill_step": 2048}

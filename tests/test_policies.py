@@ -37,3 +37,18 @@ def test_policies_that_would_not_mean_what_they_say(kwargs: dict, message: str) 
     kind = kwargs.pop("kind")
     with pytest.raises(KvguardError, match=message):
         make_policy(kind, **kwargs)
+
+
+def test_chunk_shows_in_the_label_and_full_ignores_it() -> None:
+    assert make_policy("sink", cap=256, chunk=64).describe() == "sink4/256 reidx step1 chunk64"
+    assert make_policy("sink", cap=256).describe() == "sink4/256 reidx step1"
+    assert make_policy("full", chunk=64) == make_policy("full")  # never evicts: fed as before
+
+
+def test_llama_cpp_takes_at_most_its_batch_per_call() -> None:
+    from pytest_kvguard.engines import check_policy
+
+    policy = make_policy("sink", cap=2048, chunk=513)
+    with pytest.raises(KvguardError, match="at most 512 tokens per call, not chunk 513"):
+        check_policy("llama_cpp", policy)
+    check_policy("mlx", make_policy("sink", cap=2048, chunk=513, positions="absolute"))

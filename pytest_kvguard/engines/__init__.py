@@ -12,12 +12,15 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.policies import Policy
+
+if TYPE_CHECKING:
+    from pytest_kvguard.scenarios.feeding import Turn
 
 
 class Stream(Protocol):
@@ -106,6 +109,15 @@ class Engine(Protocol):
         """A fresh cache for prompts of at most ``max_tokens`` tokens."""
         ...
 
+    def converse(
+        self, policy: Policy, token_ids: Sequence[int], turns: Sequence[Turn], prefill_step: int
+    ) -> np.ndarray:
+        """The turns through the engine's own generation entry point under ``policy``: each
+        prompt prefilled ``prefill_step`` tokens per call, each reply generated with the text's
+        next token forced as the sampled one. nll[i] scores token i+1; NaN where not generated.
+        """
+        ...
+
     def close(self) -> None: ...
 
 
@@ -162,6 +174,8 @@ class EngineInfo:
     """Set when the engine only evicts this many tokens per step."""
     model_forms: tuple[str, ...] = ("gguf",)
     """What a check's model may be: gguf (bundled or file), folder, hub."""
+    max_chunk: int | None = None
+    """The most tokens one engine call takes (llama.cpp: the context's batch size)."""
 
 
 ENGINES: dict[str, EngineInfo] = {
@@ -178,7 +192,9 @@ ENGINES: dict[str, EngineInfo] = {
                 "stream": ("full", "window", "sink"),
                 "memory": ("full", "window", "sink", "swa", "swa_full"),
                 "edit_replay": ("full", "swa", "swa_full"),
+                "generate": ("window", "sink"),
             },
+            max_chunk=512,
         ),
         EngineInfo(
             "mlx",
@@ -190,6 +206,7 @@ ENGINES: dict[str, EngineInfo] = {
                 "stream": ("full", "window", "sink", "swa", "engine_default"),
                 "memory": ("full", "window", "sink", "swa", "engine_default"),
                 "edit_replay": ("full", "swa"),
+                "generate": ("window", "sink", "engine_default"),
             },
             position_modes=("absolute",),
             fixed_evict_step=1,
@@ -232,6 +249,13 @@ def check_policy(name: str, policy: Policy, scenario: str = "stream") -> None:
         raise KvguardError(
             f"engine '{name}' evicts {step} token(s) per step, not {policy.evict_step}",
             fix=f"use evict_step: {step}",
+        )
+    if info.max_chunk is not None and policy.chunk > info.max_chunk:
+        raise KvguardError(
+            f"engine '{name}' takes at most {info.max_chunk} tokens per call, not chunk "
+            f"{policy.chunk}",
+            fix=f"use chunk: {info.max_chunk} or less",
+            key="params.chunk",
         )
 
 

@@ -8,7 +8,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from pytest_kvguard.scenarios import edit_replay, memory, parity, recall, stream, sweep
+from pytest_kvguard.scenarios import (
+    edit_replay,
+    generate,
+    memory,
+    parity,
+    recall,
+    stream,
+    sweep,
+)
 from pytest_kvguard.scenarios.base import Scenario
 
 SCENARIOS: dict[str, Scenario[Any]] = {
@@ -20,6 +28,7 @@ SCENARIOS: dict[str, Scenario[Any]] = {
         memory.SCENARIO,
         sweep.SCENARIO,
         recall.SCENARIO,
+        generate.SCENARIO,
     )
 }
 

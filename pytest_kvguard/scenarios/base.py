@@ -82,6 +82,14 @@ POSITIONS = Param(
     "(llama_cpp reindexed, mlx absolute)",
 )
 EVICT_STEP = Param("evict_step", "int", 1, "tokens dropped per eviction", minimum=1)
+CHUNK = Param(
+    "chunk",
+    "int",
+    1,
+    "tokens fed per engine call once the cache is full: 1 is the decode path, more the "
+    "engine's batched path (at most cap - sinks)",
+    minimum=1,
+)
 TEXT = Param(
     "text",
     "str",
@@ -131,6 +139,7 @@ class Fields:
                 evict_step=p.get("evict_step", 1),
                 checkpoints=p.get("checkpoints", 0),
                 checkpoint_step=p.get("checkpoint_step", DEFAULT_CHECKPOINT_STEP),
+                chunk=p.get("chunk", 1),
             )
             for engine in self.engines:
                 check_policy(engine, policy, engine_scenario)

@@ -1,9 +1,12 @@
 """How scenarios feed tokens to an engine and score what comes back: one loop for all of them.
 
-While the cache has room, tokens go in chunks of up to ``PREFILL_CHUNK``; once an eviction is
-due, one token at a time. Chunks end exactly on the points where a scenario samples the
-engine's figures. ``run_stream`` is the one pass every stream-like scenario (stream, sweep,
-parity, memory) makes; recall feeds its own prompt through the same ``chunks`` schedule.
+While the cache has room, tokens go in chunks of up to ``PREFILL_CHUNK`` (never past the
+room left); once it is full, ``policy.chunk`` tokens per call (1: the decode path; more: the
+engine's batched path, which makes room for the whole chunk at once). A policy that never
+evicts, or leaves eviction to the engine, is fed ``PREFILL_CHUNK`` at a time throughout.
+Chunks end exactly on the points where a scenario samples the engine's figures.
+``run_stream`` is the one pass every stream-like scenario (stream, sweep, parity, memory)
+makes; recall feeds its own prompt through the same ``chunks`` schedule.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from pytest_kvguard.engines import Engine, Stream
 from pytest_kvguard.policies import Policy
 
 PREFILL_CHUNK = 256
-"""Tokens decoded per call while no eviction is due; one at a time once it is."""
+"""Tokens decoded per call while no eviction is due; ``policy.chunk`` at a time once it is."""
 
 Progress = Callable[[int, int], None]
 """Called as progress(tokens_done, tokens_total)."""
@@ -38,7 +41,12 @@ def chunks(stream: Stream, policy: Policy, n: int, stops: Collection[int] = ()) 
     done = 0
     while done < n:
         room = stream.room()
-        size = largest if room is None else max(1, min(room, largest))
+        if room is None:
+            size = largest
+        elif room > 0:
+            size = min(room, largest)
+        else:
+            size = policy.chunk
         size = min(size, next(p for p in ends if p > done) - done)
         yield size
         done += size
@@ -173,3 +181,52 @@ def run_stream(
         layer_sizes=layer_sizes,
         samples=samples,
     )
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One turn of a conversation past capacity: a prompt the engine prefills, then a reply."""
+
+    prompt: int
+    """Tokens appended as a prompt (a user message, a tool output): prefilled, not scored."""
+    reply: int
+    """Tokens then generated one at a time, teacher-forced to the text's own tokens: scored."""
+
+
+def plan_turns(n_tokens: int, prompt: int, reply: int) -> list[Turn]:
+    """Turns of ``prompt`` + ``reply`` tokens covering ``[0, n_tokens)``; the last may be short.
+
+    Every turn has at least one prompt token (an engine's generate call needs one)."""
+    turns, done = [], 0
+    while n_tokens - done >= 2:
+        turn_prompt = min(prompt, n_tokens - done - 1)
+        turn_reply = min(reply, n_tokens - done - turn_prompt)
+        turns.append(Turn(turn_prompt, turn_reply))
+        done += turn_prompt + turn_reply
+    return turns
+
+
+def converse_through_stream(
+    stream: Stream, token_ids: Sequence[int], turns: Sequence[Turn], prefill_step: int
+) -> np.ndarray:
+    """The turns on a ``Stream``: each prompt but its last token decoded ``prefill_step`` at a
+    time without logits (the stream evicts what each call needs), then the last prompt token
+    and every reply token one at a time, scoring each reply token.
+
+    Returns nll over ``token_ids[1:]``: nll[i] scores token i+1; NaN where it was not generated.
+    """
+    nll = np.full(len(token_ids) - 1, np.nan)
+    done = 0
+    for turn in turns:
+        last = done + turn.prompt - 1
+        while done < last:
+            size = min(prefill_step, last - done)
+            stream.feed(token_ids[done : done + size], logits=False)
+            done += size
+        logits = stream.feed(token_ids[last : last + 1])
+        done = last + 1
+        for token in token_ids[done : done + turn.reply]:
+            nll[done - 1] = nll_of(logits[-1:], np.asarray([token]))[0]
+            logits = stream.feed([token])
+            done += 1
+    return nll

@@ -18,6 +18,7 @@ from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.policies import Policy
 from pytest_kvguard.scenarios.base import (
     CAP,
+    CHUNK,
     EVICT_STEP,
     POSITIONS,
     SINKS,
@@ -162,7 +163,7 @@ LENGTHS = Param(
 class MemoryScenario(Scenario[MemorySpec]):
     name = "memory"
     summary = "KV bytes at several context lengths, measured against the predicted figure"
-    params = (LENGTHS, CAP, SINKS, POSITIONS, EVICT_STEP, TEXT)
+    params = (LENGTHS, CAP, SINKS, POSITIONS, EVICT_STEP, CHUNK, TEXT)
     budgets = (
         "max_kv_entries", "max_kv_bytes", "max_peak_memory_bytes", "bounded",
         "max_kv_bytes_per_token", "max_kv_deviation_pct",

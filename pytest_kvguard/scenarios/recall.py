@@ -24,6 +24,7 @@ from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.policies import Policy, make_policy
 from pytest_kvguard.scenarios.base import (
     CAP,
+    CHUNK,
     EVICT_STEP,
     POSITIONS,
     SINKS,
@@ -176,7 +177,7 @@ class RecallScenario(Scenario[RecallSpec]):
     name = "recall"
     summary = "a fact before the window, asked about after a long filler: recalled or lost"
     params = (
-        CAP, SINKS, POSITIONS, EVICT_STEP,
+        CAP, SINKS, POSITIONS, EVICT_STEP, CHUNK,
         Param("text", "str", DEFAULT_TEXT, "where the filler comes from: 'pydoc' or a UTF-8 file"),
         Param("filler_tokens", "int", DEFAULT_FILLER_TOKENS,
               "tokens of filler between the fact and the question", minimum=1),

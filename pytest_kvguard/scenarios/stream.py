@@ -8,7 +8,7 @@ ids, so the delta compares like with like.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pytest_kvguard.budgets import Budgets
@@ -16,6 +16,7 @@ from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.policies import Policy
 from pytest_kvguard.scenarios.base import (
     CAP,
+    CHUNK,
     EVICT_STEP,
     POSITIONS,
     SINKS,
@@ -57,6 +58,8 @@ class StreamResult:
 
     candidate: StreamRun
     baseline: StreamRun
+    single_token: StreamRun | None = None
+    """Where the candidate was fed in chunks: the same policy fed one token at a time."""
 
     @property
     def split(self) -> int:
@@ -83,10 +86,40 @@ class StreamResult:
             "post_eviction_tokens": float(len(cand) - s),
             **self.candidate.engine_figures,
             **growth_metric(self.candidate),
+            **self.chunk_gap(),
+        }
+
+    def chunk_gap(self) -> dict[str, float]:
+        """The chunked run's post-eviction perplexity against one token at a time, same split."""
+        if self.single_token is None:
+            return {}
+        post = perplexity(self.candidate.nll[self.split :])
+        single = perplexity(self.single_token.nll[self.split :])
+        return {
+            "single_token_post_eviction_ppl": single,
+            "chunk_gap_pct": (post / single - 1.0) * 100.0,
         }
 
 
-def compare(candidate: StreamRun, baseline: StreamRun) -> StreamResult:
+def check_chunk_gap_budget(policy: Policy, budgets: Budgets) -> None:
+    """``max_chunk_gap_pct`` compares a chunked run with one fed a token at a time."""
+    if budgets.max_chunk_gap_pct is not None and policy.chunk == 1:
+        raise KvguardError(
+            "max_chunk_gap_pct compares feeding in chunks with feeding one token at a time, "
+            "and this check feeds one token at a time (chunk 1)",
+            fix="set params.chunk above 1 (e.g. chunk: 64), or remove max_chunk_gap_pct",
+            key="budgets.max_chunk_gap_pct",
+        )
+
+
+def single_token(policy: Policy) -> Policy | None:
+    """The same policy fed one token at a time; None when ``policy`` already is."""
+    return replace(policy, chunk=1) if policy.chunk > 1 else None
+
+
+def compare(
+    candidate: StreamRun, baseline: StreamRun, single: StreamRun | None = None
+) -> StreamResult:
     # A capped policy that never evicted is a finding (the cap was not applied), not an error.
     if candidate.first_eviction is None and candidate.policy.cap is None:
         raise KvguardError(
@@ -95,7 +128,7 @@ def compare(candidate: StreamRun, baseline: StreamRun) -> StreamResult:
         )
     if candidate.n_tokens != baseline.n_tokens:
         raise ValueError("candidate and baseline must score the same token ids")
-    return StreamResult(candidate, baseline)
+    return StreamResult(candidate, baseline, single)
 
 
 @dataclass(frozen=True)
@@ -120,10 +153,10 @@ class StreamDetail:
 class StreamScenario(Scenario[StreamSpec]):
     name = "stream"
     summary = "feed a long text far past the cache's capacity, score every next token"
-    params = (TOKENS, CAP, SINKS, POSITIONS, EVICT_STEP, TEXT)
+    params = (TOKENS, CAP, SINKS, POSITIONS, EVICT_STEP, CHUNK, TEXT)
     budgets = (
         "max_ppl_increase_pct", "max_post_eviction_ppl", "max_kv_entries", "max_kv_bytes",
-        "max_peak_memory_bytes", "bounded",
+        "max_peak_memory_bytes", "bounded", "max_chunk_gap_pct",
     )  # fmt: skip
     detail_type = StreamDetail
     takes_baseline = True
@@ -146,6 +179,7 @@ class StreamScenario(Scenario[StreamSpec]):
 
     def check_budgets(self, spec: StreamSpec, budgets: Budgets) -> None:
         check_bounded_run(spec.policy, spec.tokens, budgets)
+        check_chunk_gap_budget(spec.policy, budgets)
 
     def run(self, ctx: Context, check: Check[StreamSpec]) -> Measured:
         """Run candidate and baseline on the same token ids."""
@@ -155,16 +189,23 @@ class StreamScenario(Scenario[StreamSpec]):
                                             spec.tokens)  # fmt: skip
         cand_run, cand_new = ctx.stream_run(check.engine, check.model, spec.policy, text,
                                             spec.tokens)  # fmt: skip
-        result = compare(cand_run, base_run)
+        seconds = {
+            "candidate": cand_run.seconds if cand_new else 0.0,
+            "baseline": base_run.seconds if base_new else 0.0,
+        }
+        single_run = None
+        one_at_a_time = single_token(spec.policy)
+        if one_at_a_time is not None:
+            single_run, single_new = ctx.stream_run(check.engine, check.model, one_at_a_time,
+                                                    text, spec.tokens)  # fmt: skip
+            seconds["single_token"] = single_run.seconds if single_new else 0.0
+        result = compare(cand_run, base_run, single_run)
         return Measured(
             policy=spec.policy.describe(),
             tokens=spec.tokens,
             text=text,
             metrics=result.metrics,
-            seconds={
-                "candidate": cand_run.seconds if cand_new else 0.0,
-                "baseline": base_run.seconds if base_new else 0.0,
-            },
+            seconds=seconds,
             tokens_per_second=cand_run.tokens_per_second,
             detail=StreamDetail(
                 baseline=spec.baseline.describe(),
@@ -177,13 +218,21 @@ class StreamScenario(Scenario[StreamSpec]):
 
     def table(self, outcomes: Sequence[Any]) -> tuple[list[str], list[list[list[str]]]]:
         headers = ["tokens", "baseline", "base ppl", "ppl", "delta"]
+        chunked = any("chunk_gap_pct" in o.metrics for o in outcomes)
+        if chunked:
+            headers += ["1-token ppl", "chunk gap"]
         lines = []
         for o in outcomes:
             m = o.metrics
-            lines.append([[
+            row = [
                 str(o.tokens), o.detail.baseline, f"{m['baseline_post_eviction_ppl']:.2f}",
                 f"{m['post_eviction_ppl']:.2f}", f"{m['ppl_increase_pct']:+.1f}%",
-            ]])  # fmt: skip
+            ]  # fmt: skip
+            if chunked:
+                gap = "chunk_gap_pct" in m
+                row += [f"{m['single_token_post_eviction_ppl']:.2f}" if gap else "",
+                        f"{m['chunk_gap_pct']:+.1f}%" if gap else ""]  # fmt: skip
+            lines.append([row])
         return headers, lines
 
 

@@ -16,6 +16,7 @@ from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.policies import Policy, make_policy
 from pytest_kvguard.scenarios.base import (
     CAP,
+    CHUNK,
     EVICT_STEP,
     TEXT,
     TOKENS,
@@ -34,11 +35,11 @@ from pytest_kvguard.texts import load_text
 DEFAULT_SINKS = (0, 1, 2, 4, 8)
 
 
-def sweep_policy(sinks: int, cap: int, positions: str, evict_step: int) -> Policy:
+def sweep_policy(sinks: int, cap: int, positions: str, evict_step: int, chunk: int = 1) -> Policy:
     """0 sinks is a pure window; otherwise a sink policy, all under the same total cap."""
-    if sinks == 0:
-        return make_policy("window", cap=cap, positions=positions, evict_step=evict_step)
-    return make_policy("sink", cap=cap, sinks=sinks, positions=positions, evict_step=evict_step)
+    kind = "window" if sinks == 0 else "sink"
+    return make_policy(kind, cap=cap, sinks=sinks or None, positions=positions,
+                       evict_step=evict_step, chunk=chunk)  # fmt: skip
 
 
 def check_sinks(values: object, cap: int | None) -> tuple[int, ...]:
@@ -118,9 +119,10 @@ class SweepSpec:
     baseline: Policy
     tokens: int
     text: str
+    chunk: int = 1
 
     def policies(self) -> list[tuple[str, int, Policy]]:
-        return [(mode, count, sweep_policy(count, self.cap, mode, self.evict_step))
+        return [(mode, count, sweep_policy(count, self.cap, mode, self.evict_step, self.chunk))
                 for mode in self.positions for count in self.sinks]  # fmt: skip
 
 
@@ -151,7 +153,7 @@ SWEEP_POSITIONS = Param(
 class SweepScenario(Scenario[SweepSpec]):
     name = "sweep"
     summary = "one cap, 0/1/2/4/8 sinks, re-indexed and absolute positions side by side"
-    params = (TOKENS, CAP, SWEEP_SINKS, SWEEP_POSITIONS, EVICT_STEP, TEXT)
+    params = (TOKENS, CAP, SWEEP_SINKS, SWEEP_POSITIONS, EVICT_STEP, CHUNK, TEXT)
     budgets = ("max_ppl_increase_pct", "max_post_eviction_ppl", "min_sink_gain_pct",
                "max_position_gap_pct")  # fmt: skip
     detail_type = SweepDetail
@@ -179,7 +181,7 @@ class SweepScenario(Scenario[SweepSpec]):
             )
         spec = SweepSpec(counts, modes, cap, p["evict_step"],
                          fields.policy_of("baseline", fields.baseline or "full", with_params=False),
-                         p["tokens"], fields.text_name())  # fmt: skip
+                         p["tokens"], fields.text_name(), p["chunk"])  # fmt: skip
         try:
             for _, _, policy in spec.policies():
                 for engine in fields.engines:

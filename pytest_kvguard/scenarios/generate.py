@@ -1,0 +1,178 @@
+"""Scenario ``generate``: the engine's own generation entry point, past capacity.
+
+A conversation of turns over the text: each turn appends ``prompt`` tokens (a user message, a
+tool output) that the engine prefills ``prefill_step`` tokens per call, then ``reply`` tokens
+are generated one at a time with the text's next token forced as the sampled one, so every
+reply token is scored. mlx-lm runs ``generate_step`` with one prompt cache for the whole
+conversation, as its generate and server do; llama.cpp runs its nearest equivalent (see
+``LlamaCppEngine.converse``).
+
+Reply tokens fed past the cap are scored against two runs of kvguard's own loop on the same
+ids, at the same positions: the full cache (the baseline) and the same policy fed one token at
+a time (the chunk gap: what the engine's batched prefill costs over its decode path).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from pytest_kvguard.budgets import Budgets
+from pytest_kvguard.policies import Policy
+from pytest_kvguard.scenarios.base import (
+    CAP,
+    EVICT_STEP,
+    POSITIONS,
+    SINKS,
+    TEXT,
+    TOKENS,
+    Check,
+    Context,
+    Fields,
+    Measured,
+    Param,
+    Scenario,
+    require_text_room,
+)
+from pytest_kvguard.scenarios.feeding import plan_turns
+from pytest_kvguard.scenarios.stream import check_reaches_eviction
+from pytest_kvguard.texts import load_text
+
+PROMPT = Param(
+    "prompt",
+    "int",
+    64,
+    "tokens each turn appends as a prompt (a message, a tool output); prefilled, not scored",
+    minimum=1,
+)
+REPLY = Param(
+    "reply",
+    "int",
+    16,
+    "tokens generated per turn, the text's own tokens forced as the sampled ones; scored",
+    minimum=1,
+)
+PREFILL_STEP = Param(
+    "prefill_step",
+    "int",
+    2048,
+    "prompt tokens per engine call: mlx-lm's prefill_step_size (its default, 2048); llama.cpp "
+    "decodes at most min(this, 512, cap - sinks)",
+    minimum=1,
+)
+
+
+@dataclass(frozen=True)
+class GenerateSpec:
+    policy: Policy
+    tokens: int
+    text: str
+    prompt: int
+    reply: int
+    prefill_step: int
+
+
+@dataclass(frozen=True)
+class GenerateDetail:
+    turns: int
+    """Turns the conversation took."""
+    prefill_step: int
+
+
+def post_cap_ppl(nll: np.ndarray, scored: np.ndarray) -> float:
+    """Perplexity over the positions in ``scored``."""
+    return float(math.exp(float(nll[scored].mean()))) if scored.any() else math.nan
+
+
+class GenerateScenario(Scenario[GenerateSpec]):
+    name = "generate"
+    summary = "the engine's own generate call past capacity: prompts prefilled, replies scored"
+    params = (TOKENS, CAP, SINKS, POSITIONS, EVICT_STEP, PROMPT, REPLY, PREFILL_STEP, TEXT)
+    budgets = ("max_ppl_increase_pct", "max_post_eviction_ppl", "max_chunk_gap_pct")
+    detail_type = GenerateDetail
+
+    def build(self, fields: Fields) -> GenerateSpec:
+        assert fields.policy is not None
+        policy = fields.policy_of("policy", fields.policy, "generate")
+        p = fields.params
+        check_reaches_eviction(policy, p["tokens"])
+        require_text_room(fields, p["tokens"], "params.tokens")
+        return GenerateSpec(
+            policy, p["tokens"], fields.text_name(), p["prompt"], p["reply"], p["prefill_step"]
+        )
+
+    def check_budgets(self, spec: GenerateSpec, budgets: Budgets) -> None:
+        pass  # every budget of this scenario means something for every spec
+
+    def run(self, ctx: Context, check: Check[GenerateSpec]) -> Measured:
+        spec = check.spec
+        text = load_text(spec.text, check.base_dir)
+        ids = ctx.token_ids(check.engine, check.model, text, spec.tokens)
+        turns = plan_turns(spec.tokens, spec.prompt, spec.reply)
+        engine = ctx.engine(check.engine, check.model)
+        label = f"{check.engine} {check.model.name} {spec.policy.describe()}"
+
+        def converse() -> tuple[np.ndarray, float]:
+            started = time.perf_counter()
+            nll = engine.converse(spec.policy, ids, turns, spec.prefill_step)
+            seconds = time.perf_counter() - started
+            ctx.say(f"{label}: {len(turns)} turns generated in {seconds:.1f} s")
+            return nll, seconds
+
+        key = ("generate", check.engine, check.model.resolve(), text.sha256, spec.tokens,
+               spec.policy, spec.prompt, spec.reply, spec.prefill_step)  # fmt: skip
+        (nll, gen_seconds), gen_new = ctx.memo(key, converse)
+        full = Policy("full")
+        base_run, base_new = ctx.stream_run(check.engine, check.model, full, text, spec.tokens)
+        one_at_a_time = replace(spec.policy, chunk=1)
+        single_run, single_new = ctx.stream_run(check.engine, check.model, one_at_a_time, text,
+                                                spec.tokens)  # fmt: skip
+        # Reply tokens fed past the cap: nll[i] scores token i+1, fed after token i.
+        cap = spec.policy.cap
+        assert cap is not None
+        positions = np.arange(len(nll))
+        scored = ~np.isnan(nll) & (positions >= cap)
+        post = post_cap_ppl(nll, scored)
+        baseline = post_cap_ppl(base_run.nll, scored)
+        single = post_cap_ppl(single_run.nll, scored)
+        return Measured(
+            policy=spec.policy.describe(),
+            tokens=spec.tokens,
+            text=text,
+            metrics={
+                "post_eviction_ppl": post,
+                "baseline_post_eviction_ppl": baseline,
+                "ppl_increase_pct": (post / baseline - 1.0) * 100.0,
+                "single_token_post_eviction_ppl": single,
+                "chunk_gap_pct": (post / single - 1.0) * 100.0,
+                "scored_tokens": float(scored.sum()),
+            },
+            seconds={
+                "generate": gen_seconds if gen_new else 0.0,
+                "baseline": base_run.seconds if base_new else 0.0,
+                "single_token": single_run.seconds if single_new else 0.0,
+            },
+            tokens_per_second=spec.tokens / gen_seconds if gen_seconds else math.inf,
+            detail=GenerateDetail(turns=len(turns), prefill_step=spec.prefill_step),
+        )
+
+    def table(self, outcomes: Sequence[Any]) -> tuple[list[str], list[list[list[str]]]]:
+        headers = ["turns", "scored", "base ppl", "1-token ppl", "ppl", "delta", "chunk gap"]
+        lines = []
+        for o in outcomes:
+            m = o.metrics
+            lines.append([[
+                str(o.detail.turns), f"{m['scored_tokens']:.0f}",
+                f"{m['baseline_post_eviction_ppl']:.2f}",
+                f"{m['single_token_post_eviction_ppl']:.2f}", f"{m['post_eviction_ppl']:.2f}",
+                f"{m['ppl_increase_pct']:+.1f}%", f"{m['chunk_gap_pct']:+.1f}%",
+            ]])  # fmt: skip
+        return headers, lines
+
+
+SCENARIO = GenerateScenario()
