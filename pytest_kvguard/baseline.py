@@ -31,6 +31,8 @@ COMPARABLE_METRICS = frozenset(
         # stream
         "post_eviction_ppl", "ppl_increase_pct", "kv_entries", "kv_bytes", "peak_memory_bytes",
         "kv_growth_after_cap_bytes",
+        # stream and generate fed in chunks
+        "chunk_gap_pct",
         # parity
         "mean_abs_nll_diff", "ppl_diff_pct",
         # edit_replay

@@ -139,9 +139,10 @@ class Budgets:
         "%",
         "chunk gap",
         "post-eviction perplexity fed in chunks over fed one token at a time",
-        "stream and generate with chunk > 1: post-eviction perplexity of the chunked run over "
-        "the same policy fed one token at a time on the same ids, minus 1, in %. An engine whose "
-        "batched path keeps other tokens than its decode path shows here.",
+        "stream with chunk > 1: post-eviction perplexity of the chunked run over the same policy "
+        "fed one token at a time on the same ids, minus 1, in %; generate: the same for the "
+        "reply tokens of the engine's generate path. An engine whose batched path keeps other "
+        "tokens than its decode path shows here.",
         span=(-100.0, math.inf),
     )
     must_recall: bool | None = _limit(

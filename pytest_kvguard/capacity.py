@@ -130,6 +130,7 @@ def predict_engine_kv_bytes(
     *,
     element_bytes: float,
     n_ubatch: int = 512,
+    last_call: int = 1,
 ) -> float:
     """KV bytes an engine should report after ``n_tokens`` fed as the stream scenario feeds them.
 
@@ -138,13 +139,21 @@ def predict_engine_kv_bytes(
     ``pad256(window + n_ubatch)`` cells; swa_full holds everything.
     mlx-lm (the caches' buffers): ``KVCache`` allocates in steps of 256 tokens;
     ``RotatingKVCache`` (window, sink, a model's sliding layers) holds ``min(n, max_size)``
-    exactly when filled in chunks that fit. engine_default is predicted as the cap applied, so
-    an engine that ignores the cap shows up as a deviation.
+    exactly when filled in chunks that fit, and ``max_size - 1 + last_call`` right after a
+    call of ``last_call`` > 1 tokens on a full cache (its chunked path appends the whole chunk
+    to the ``max_size - 1`` newest keys). engine_default is predicted as the cap applied, so an
+    engine that ignores the cap shows up as a deviation.
     """
+
+    def rotating(max_size: int) -> int:
+        if engine == "mlx" and last_call > 1 and n_tokens - last_call >= max_size:
+            return max_size - 1 + last_call
+        return min(n_tokens, max_size)
+
     per_layer = layer_bytes(arch, element_bytes)
     sliding = arch.swa_layers if arch.sliding_window else (False,) * arch.n_layers
     if policy.cap is not None:  # window, sink, engine_default
-        held = [min(n_tokens, policy.cap)] * arch.n_layers
+        held = [rotating(policy.cap)] * arch.n_layers
     elif engine == "llama_cpp":
         limit = n_tokens
         if arch.sliding_window and policy.kind != "swa_full":
@@ -154,7 +163,7 @@ def predict_engine_kv_bytes(
         stepped = -(-n_tokens // MLX_STEP) * MLX_STEP
         window = arch.sliding_window or 0
         if policy.kind == "swa":
-            held = [min(n_tokens, window) if slides else stepped for slides in sliding]
+            held = [rotating(window) if slides else stepped for slides in sliding]
         else:
             held = [stepped] * arch.n_layers
     else:

@@ -36,7 +36,7 @@ class KvguardFixture:
 
     Every registered scenario is a method: ``kvguard.stream(...)``, ``kvguard.parity(...)``,
     ``kvguard.edit_replay(...)``, ``kvguard.memory(...)``, ``kvguard.sweep(...)``,
-    ``kvguard.recall(...)``.
+    ``kvguard.recall(...)``, ``kvguard.generate(...)``.
     """
 
     def __init__(self, request: pytest.FixtureRequest) -> None:

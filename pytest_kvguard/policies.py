@@ -48,6 +48,14 @@ class Policy:
     engine's batched (prefill) path, which evicts for the whole chunk at once."""
 
     @property
+    def max_chunk(self) -> int | None:
+        """The most tokens one call may feed a full cache: what evictions of ``evict_step``
+        tokens can free beside the sinks. None without a cap."""
+        if self.cap is None:
+            return None
+        return (self.cap - self.sinks) // self.evict_step * self.evict_step
+
+    @property
     def bounded(self) -> bool:
         """Whether the policy may evict (or, for engine_default, was asked to)."""
         return self.kind not in ("full", "swa_full")
@@ -134,13 +142,20 @@ def make_policy(
             f"cap {cap} leaves no room for recent tokens (sinks {sinks}, evict_step {evict_step})",
             fix="raise cap above sinks + evict_step",
         )
-    if chunk > cap - sinks:
-        # The chunk's own entries must fit in the cache beside the pinned ones.
-        raise KvguardError(
-            f"chunk {chunk} cannot fit beside {sinks} sink(s) in cap {cap}",
-            fix=f"use chunk: {cap - sinks} or less (cap - sinks), or raise cap",
-            key="params.chunk",
-        )
-    return Policy(
+    policy = Policy(
         kind, cap=cap, sinks=sinks, positions=positions, evict_step=evict_step, chunk=chunk
     )
+    largest = policy.max_chunk
+    assert largest is not None
+    if chunk > largest:
+        # The chunk's own entries must fit beside the pinned ones, freed evict_step at a time.
+        stepped = evict_step > 1
+        raise KvguardError(
+            f"chunk {chunk} cannot fit beside {sinks} sink(s) in cap {cap}"
+            + (f" when evicting {evict_step} at a time" if stepped else ""),
+            fix=f"use chunk: {largest} or less (cap - sinks"
+            + (", down to a multiple of evict_step" if stepped else "")
+            + "), or raise cap",
+            key="params.chunk",
+        )
+    return policy

@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 
 from pytest_kvguard.engines import EngineInfo, EngineOptions
+from pytest_kvguard.engines.conversation import Turn, converse_through_stream
 from pytest_kvguard.errors import EngineError
 from pytest_kvguard.policies import Policy
-from pytest_kvguard.scenarios.feeding import Turn, converse_through_stream
 
 VOCAB = 32
 TOY_WINDOW = 16

@@ -74,6 +74,24 @@ CASES = {
         "    budgets: {min_sink_gain_pct: 1}\n",
         "budgets.yaml:6: chunk 60 cannot fit beside 8 sink(s) in cap 64*",
     ),
+    "chunk_past_what_evict_steps_free": (
+        "    policy: sink\n    params: {cap: 64, tokens: 400, evict_step: 8, chunk: 60}\n"
+        "    budgets: {max_kv_entries: 64}\n",
+        "budgets.yaml:6: chunk 60 cannot fit beside 4 sink(s) in cap 64 when evicting 8 at a "
+        "time (fix: use chunk: 56 or less (cap - sinks, down to a multiple of evict_step), or "
+        "raise cap)",
+    ),
+    "chunk_on_a_policy_that_never_evicts": (
+        "    scenario: memory\n    policy: full\n    params: {lengths: [100, 200], chunk: 16}\n"
+        "    budgets: {max_kv_entries: 64}\n",
+        "budgets.yaml:7: policy 'full' never evicts, so chunk 16 would change nothing*",
+    ),
+    "generate_without_a_turn_past_the_cap": (
+        "    scenario: generate\n    policy: sink\n"
+        "    params: {cap: 64, tokens: 100, prompt: 30, reply: 10}\n"
+        "    budgets: {max_chunk_gap_pct: 5}\n",
+        "budgets.yaml:7: tokens 100 leave no whole turn (30 + 10 tokens) past the cap 64*",
+    ),
     "chunk_gap_fed_one_at_a_time": (
         "    policy: sink\n    params: {cap: 64, tokens: 400}\n"
         "    budgets: {max_chunk_gap_pct: 5}\n",

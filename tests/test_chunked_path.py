@@ -10,11 +10,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pytest_kvguard.engines.llama_cpp import LlamaCppStream
+from pytest_kvguard.engines.conversation import plan_turns
 from pytest_kvguard.models import ModelRef
 from pytest_kvguard.policies import make_policy
 from pytest_kvguard.runner import Runner
-from pytest_kvguard.scenarios.feeding import chunks, converse_through_stream, plan_turns
+from pytest_kvguard.scenarios.feeding import chunks, run_stream
 from pytest_kvguard.texts import pydoc_topics
 
 pytestmark = pytest.mark.engine
@@ -81,6 +81,10 @@ def test_llama_cpp_chunk_keeps_the_sinks(kvguard_runner: Runner) -> None:
     """llama.cpp evicts for the whole chunk first, keeps the sinks, and each query of the batch
     sees exactly what a one-token decode after the same eviction sees: the sinks, the window
     left, and the chunk up to itself."""
+    import llama_cpp as lc
+
+    from pytest_kvguard.engines.llama_cpp import LlamaCppStream
+
     engine = kvguard_runner.engine("llama_cpp", SMOLLM2)
     fed, cap, chunk = 80, 64, 8
     ids = kvguard_runner.token_ids("llama_cpp", SMOLLM2, pydoc_topics(), fed + chunk)
@@ -94,8 +98,6 @@ def test_llama_cpp_chunk_keeps_the_sinks(kvguard_runner: Runner) -> None:
         for token in ids[cap:fed]:
             stream.feed([token], logits=False)
         return stream
-
-    import llama_cpp as lc
 
     batched = fill()
     rows = batched.feed(ids[fed:])  # one llama_decode of 8 tokens, after evicting 8
@@ -115,13 +117,6 @@ def test_llama_cpp_chunk_keeps_the_sinks(kvguard_runner: Runner) -> None:
     assert np.abs(rows - single).max() < 0.05
 
 
-def test_turns_cover_the_text() -> None:
-    turns = plan_turns(1500, 64, 16)
-    assert sum(t.prompt + t.reply for t in turns) == 1500
-    assert all(t.prompt >= 1 and t.reply >= 1 for t in turns)
-    assert turns[0].prompt == 64 and turns[0].reply == 16
-
-
 def test_llama_cpp_converse_scores_only_the_replies(kvguard_runner: Runner) -> None:
     engine = kvguard_runner.engine("llama_cpp", SMOLLM2)
     ids = kvguard_runner.token_ids("llama_cpp", SMOLLM2, pydoc_topics(), 200)
@@ -132,7 +127,8 @@ def test_llama_cpp_converse_scores_only_the_replies(kvguard_runner: Runner) -> N
     # Turn k's reply tokens sit at 40k+30 .. 40k+39: nll[i] scores token i+1.
     assert list(scored) == [40 * k + 30 + j - 1 for k in range(5) for j in range(10)]
     assert (nll[scored] > 0).all()
-    stream = engine.open_stream(policy, 200)
-    again = converse_through_stream(stream, ids, turns, 30)
-    stream.close()
-    np.testing.assert_allclose(again[scored], nll[scored], rtol=1e-4, atol=1e-4)
+    # Prompts prefilled one token at a time make the whole conversation the decode path: each
+    # reply score is then the loop's own score at that position (llama.cpp's context shift).
+    decoded = engine.converse(policy, ids, turns, 1)
+    loop = run_stream(engine, policy, ids)
+    np.testing.assert_allclose(decoded[scored], loop.nll[scored], rtol=1e-4, atol=1e-4)

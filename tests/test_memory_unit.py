@@ -53,6 +53,23 @@ def test_a_cap_is_predicted_the_same_on_every_engine(engine: str) -> None:
         )
 
 
+def test_a_chunk_on_a_full_mlx_cache_holds_cap_minus_one_plus_the_chunk() -> None:
+    """mlx-lm appends a chunk to the cap - 1 newest keys; llama.cpp evicts for it first."""
+    sink = make_policy("sink", cap=256, sinks=4, chunk=64)
+    full_then_chunk = predict_engine_kv_bytes("mlx", GEMMA, 400, sink, element_bytes=2,
+                                              last_call=64)  # fmt: skip
+    assert full_then_chunk == 18 * (256 - 1 + 64) * 1024
+    # A call that filled the room left (the cache was not full yet) fits exactly.
+    filling = predict_engine_kv_bytes("mlx", GEMMA, 256, sink, element_bytes=2, last_call=64)
+    assert filling == 18 * 256 * 1024
+    held = predict_engine_kv_bytes("llama_cpp", GEMMA, 400, sink, element_bytes=2, last_call=64)
+    assert held == 18 * 256 * 1024
+    # Gemma's sliding layers under mlx swa: the same rule at the model's window (512).
+    swa = make_policy("swa", chunk=64)
+    sliding = predict_engine_kv_bytes("mlx", GEMMA, 704, swa, element_bytes=2, last_call=64)
+    assert sliding == (15 * (512 - 1 + 64) + 3 * 768) * 1024
+
+
 def _run(kv_bytes: dict[int, float], cap: int | None = 256) -> StreamRun:
     policy = make_policy("window", cap=cap) if cap else make_policy("full")
     samples = [StreamSample(n, min(n, cap or n), {"kv_bytes": b}) for n, b in kv_bytes.items()]

@@ -11,7 +11,8 @@ import pytest
 from pytest_kvguard.models import ModelRef
 from pytest_kvguard.policies import make_policy
 from pytest_kvguard.runner import Runner
-from pytest_kvguard.scenarios.feeding import perplexity, run_stream
+from pytest_kvguard.scenarios.feeding import run_stream
+from pytest_kvguard.scoring import perplexity
 from pytest_kvguard.texts import pydoc_topics
 
 pytestmark = pytest.mark.engine

@@ -764,3 +764,24 @@ checks:
     # are scored: turns 1 to 9.
     assert turns["scored_tokens"] == 9 * 10
     assert checks["turns"]["detail"] == {"turns": 10, "prefill_step": 2048}
+
+
+def test_the_fixture_takes_chunk_and_runs_generate(gate: pytest.Pytester) -> None:
+    gate.makepyfile(
+        """
+import pytest
+
+@pytest.mark.kv_budget(max_chunk_gap_pct=5)
+def test_chunked(kvguard):
+    result = kvguard.stream(engine="fake", model="tiny.gguf", policy="sink", cap=64,
+                            tokens=400, chunk=16)
+    assert result.policy.endswith("chunk16") and "chunk_gap_pct" in result.metrics
+
+@pytest.mark.kv_budget(max_chunk_gap_pct=5)
+def test_turns(kvguard):
+    result = kvguard.generate(engine="fake", model="tiny.gguf", policy="sink", cap=64,
+                              tokens=400, prompt=30, reply=10)
+    assert result.metrics["scored_tokens"] == 90
+"""
+    )
+    gate.runpytest().assert_outcomes(passed=2)

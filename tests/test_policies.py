@@ -52,3 +52,7 @@ def test_llama_cpp_takes_at_most_its_batch_per_call() -> None:
     with pytest.raises(KvguardError, match="at most 512 tokens per call, not chunk 513"):
         check_policy("llama_cpp", policy)
     check_policy("mlx", make_policy("sink", cap=2048, chunk=513, positions="absolute"))
+    # llama.cpp trims its iSWA cache inside llama_decode: there is no full cache to chunk into.
+    with pytest.raises(KvguardError, match="trims its 'swa' cache inside each decode call"):
+        check_policy("llama_cpp", make_policy("swa", chunk=64), "memory")
+    check_policy("mlx", make_policy("swa", chunk=64, positions="absolute"), "memory")

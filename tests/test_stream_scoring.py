@@ -10,9 +10,9 @@ import pytest
 
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.policies import make_policy
-from pytest_kvguard.scenarios.feeding import nll_of as _nll
 from pytest_kvguard.scenarios.feeding import run_stream
 from pytest_kvguard.scenarios.stream import check_reaches_eviction, compare
+from pytest_kvguard.scoring import nll_of as _nll
 
 
 def test_nll_matches_a_direct_log_softmax() -> None:
@@ -69,3 +69,14 @@ def test_a_run_that_never_evicts_is_refused() -> None:
         check_reaches_eviction(make_policy("sink", cap=256), 256)
     with pytest.raises(KvguardError, match="never evicts"):
         check_reaches_eviction(make_policy("full"), 5000)
+
+
+def test_turns_cover_the_text() -> None:
+    from pytest_kvguard.engines.conversation import plan_turns
+
+    turns = plan_turns(1500, 64, 16)
+    assert sum(t.prompt + t.reply for t in turns) == 1500
+    assert all(t.prompt >= 1 and t.reply >= 1 for t in turns)
+    assert turns[0].prompt == 64 and turns[0].reply == 16
+    # A single token left at the end is not fed: it could be neither a prompt nor a reply.
+    assert sum(t.prompt + t.reply for t in plan_turns(81, 64, 16)) == 80

@@ -20,7 +20,7 @@ from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.policies import Policy
 
 if TYPE_CHECKING:
-    from pytest_kvguard.scenarios.feeding import Turn
+    from pytest_kvguard.engines.conversation import Turn
 
 
 class Stream(Protocol):
@@ -176,6 +176,9 @@ class EngineInfo:
     """What a check's model may be: gguf (bundled or file), folder, hub."""
     max_chunk: int | None = None
     """The most tokens one engine call takes (llama.cpp: the context's batch size)."""
+    self_evicting: tuple[str, ...] = ()
+    """Policy kinds whose cache the engine trims inside its own decode call, reporting no room
+    to kvguard: they are fed in prefill-sized chunks whatever ``chunk`` says."""
 
 
 ENGINES: dict[str, EngineInfo] = {
@@ -195,6 +198,7 @@ ENGINES: dict[str, EngineInfo] = {
                 "generate": ("window", "sink"),
             },
             max_chunk=512,
+            self_evicting=("swa",),
         ),
         EngineInfo(
             "mlx",
@@ -249,6 +253,13 @@ def check_policy(name: str, policy: Policy, scenario: str = "stream") -> None:
         raise KvguardError(
             f"engine '{name}' evicts {step} token(s) per step, not {policy.evict_step}",
             fix=f"use evict_step: {step}",
+        )
+    if policy.chunk > 1 and policy.kind in info.self_evicting:
+        raise KvguardError(
+            f"engine '{name}' trims its '{policy.kind}' cache inside each decode call, so "
+            "chunk has nothing to change there",
+            fix="remove chunk, or use a policy with a cap",
+            key="params.chunk",
         )
     if info.max_chunk is not None and policy.chunk > info.max_chunk:
         raise KvguardError(

@@ -18,10 +18,10 @@ import llama_cpp as lc
 import numpy as np
 
 from pytest_kvguard.engines import EngineOptions
+from pytest_kvguard.engines.conversation import Turn, converse_through_stream
 from pytest_kvguard.engines.llama_log import buffer_mib, captured_log, init_backend, log_excerpt
 from pytest_kvguard.errors import EngineError, KvguardError
 from pytest_kvguard.policies import Policy
-from pytest_kvguard.scenarios.feeding import Turn, converse_through_stream
 
 SEQ = 0
 """Every stream runs as sequence 0 of its own context."""
@@ -156,12 +156,10 @@ class LlamaCppEngine:
         ``Llama`` refuses a prompt longer than its context ("Requested tokens exceed context
         window") and never shifts; llama.cpp's own servers shift the context instead. So each
         prompt is decoded in calls of ``prefill_step`` tokens (at most the batch, and at most
-        cap - sinks) on a stream that evicts for each call with llama.cpp's seq_rm / seq_add,
-        and each reply one token at a time.
+        what the policy can free beside its sinks) on a stream that evicts for each call with
+        llama.cpp's seq_rm / seq_add, and each reply one token at a time.
         """
-        step = min(prefill_step, _Sequence.UBATCH)
-        if policy.cap is not None:
-            step = min(step, policy.cap - policy.sinks)
+        step = min(prefill_step, _Sequence.UBATCH, policy.max_chunk or _Sequence.UBATCH)
         stream = self.open_stream(policy, len(token_ids))
         try:
             return converse_through_stream(stream, token_ids, turns, step)

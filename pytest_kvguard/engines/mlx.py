@@ -31,10 +31,10 @@ from mlx_lm.models.cache import (  # noqa: E402
 )
 
 from pytest_kvguard.engines import EngineOptions  # noqa: E402
+from pytest_kvguard.engines.conversation import Turn  # noqa: E402
 from pytest_kvguard.engines.mlx_gguf import load_gguf_model  # noqa: E402
 from pytest_kvguard.errors import EngineError, KvguardError  # noqa: E402
 from pytest_kvguard.policies import Policy  # noqa: E402
-from pytest_kvguard.scenarios.feeding import Turn  # noqa: E402
 
 
 def load(model_path: Path, options: EngineOptions) -> MlxEngine:

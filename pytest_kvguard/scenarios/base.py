@@ -145,6 +145,13 @@ class Fields:
                 check_policy(engine, policy, engine_scenario)
         except KvguardError as exc:
             raise exc.keyed(key) from None
+        if key == "policy" and p.get("chunk", 1) > policy.chunk:
+            # A baseline of full may share the check's chunk; a candidate that drops it may not.
+            raise KvguardError(
+                f"policy '{kind}' never evicts, so chunk {p['chunk']} would change nothing",
+                fix="remove chunk, or use a policy with a cap",
+                key="params.chunk",
+            )
         return policy
 
     @cached_property

@@ -20,6 +20,7 @@ import numpy as np
 
 from pytest_kvguard.engines import Engine, Stream
 from pytest_kvguard.policies import Policy
+from pytest_kvguard.scoring import nll_of
 
 PREFILL_CHUNK = 256
 """Tokens decoded per call while no eviction is due; ``policy.chunk`` at a time once it is."""
@@ -52,19 +53,6 @@ def chunks(stream: Stream, policy: Policy, n: int, stops: Collection[int] = ()) 
         done += size
 
 
-def nll_of(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
-    """Negative log-likelihood of each target under a row of logits (stable log-softmax)."""
-    wide = logits.astype(np.float64)
-    peak = wide.max(axis=1)
-    log_norm = peak + np.log(np.exp(wide - peak[:, None]).sum(axis=1))
-    result: np.ndarray = log_norm - wide[np.arange(len(targets)), targets]
-    return result
-
-
-def perplexity(nll: np.ndarray) -> float:
-    return float(math.exp(float(nll.mean()))) if len(nll) else math.nan
-
-
 @dataclass(frozen=True)
 class StreamSample:
     """What the cache held after the first ``tokens`` tokens were fed."""
@@ -74,6 +62,8 @@ class StreamSample:
     """KV entries held (the largest layer)."""
     figures: dict[str, float]
     """The engine's memory figures at that moment (kv_bytes, peak_memory_bytes, ...)."""
+    call: int = 1
+    """Tokens fed by the engine call that ended here."""
 
 
 @dataclass(frozen=True)
@@ -161,7 +151,7 @@ def run_stream(
                 nll[done : done + scored] = nll_of(logits[:scored], targets[done : done + scored])
             done += size
             if done in points:
-                samples.append(StreamSample(done, stream.held, stream.figures()))
+                samples.append(StreamSample(done, stream.held, stream.figures(), size))
             if progress is not None and (done >= next_report or done == n):
                 progress(done, n)
                 next_report = done + max(1, n // 4)
@@ -181,52 +171,3 @@ def run_stream(
         layer_sizes=layer_sizes,
         samples=samples,
     )
-
-
-@dataclass(frozen=True)
-class Turn:
-    """One turn of a conversation past capacity: a prompt the engine prefills, then a reply."""
-
-    prompt: int
-    """Tokens appended as a prompt (a user message, a tool output): prefilled, not scored."""
-    reply: int
-    """Tokens then generated one at a time, teacher-forced to the text's own tokens: scored."""
-
-
-def plan_turns(n_tokens: int, prompt: int, reply: int) -> list[Turn]:
-    """Turns of ``prompt`` + ``reply`` tokens covering ``[0, n_tokens)``; the last may be short.
-
-    Every turn has at least one prompt token (an engine's generate call needs one)."""
-    turns, done = [], 0
-    while n_tokens - done >= 2:
-        turn_prompt = min(prompt, n_tokens - done - 1)
-        turn_reply = min(reply, n_tokens - done - turn_prompt)
-        turns.append(Turn(turn_prompt, turn_reply))
-        done += turn_prompt + turn_reply
-    return turns
-
-
-def converse_through_stream(
-    stream: Stream, token_ids: Sequence[int], turns: Sequence[Turn], prefill_step: int
-) -> np.ndarray:
-    """The turns on a ``Stream``: each prompt but its last token decoded ``prefill_step`` at a
-    time without logits (the stream evicts what each call needs), then the last prompt token
-    and every reply token one at a time, scoring each reply token.
-
-    Returns nll over ``token_ids[1:]``: nll[i] scores token i+1; NaN where it was not generated.
-    """
-    nll = np.full(len(token_ids) - 1, np.nan)
-    done = 0
-    for turn in turns:
-        last = done + turn.prompt - 1
-        while done < last:
-            size = min(prefill_step, last - done)
-            stream.feed(token_ids[done : done + size], logits=False)
-            done += size
-        logits = stream.feed(token_ids[last : last + 1])
-        done = last + 1
-        for token in token_ids[done : done + turn.reply]:
-            nll[done - 1] = nll_of(logits[-1:], np.asarray([token]))[0]
-            logits = stream.feed([token])
-            done += 1
-    return nll

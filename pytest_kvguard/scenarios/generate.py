@@ -17,12 +17,13 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from pytest_kvguard.budgets import Budgets
+from pytest_kvguard.engines.conversation import plan_turns
+from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.policies import Policy
 from pytest_kvguard.scenarios.base import (
     CAP,
@@ -39,7 +40,6 @@ from pytest_kvguard.scenarios.base import (
     Scenario,
     require_text_room,
 )
-from pytest_kvguard.scenarios.feeding import plan_turns
 from pytest_kvguard.scenarios.stream import check_reaches_eviction
 from pytest_kvguard.texts import load_text
 
@@ -101,13 +101,19 @@ class GenerateScenario(Scenario[GenerateSpec]):
         policy = fields.policy_of("policy", fields.policy, "generate")
         p = fields.params
         check_reaches_eviction(policy, p["tokens"])
+        assert policy.cap is not None  # window, sink and engine_default all take one
+        turn = p["prompt"] + p["reply"]
+        if p["tokens"] < policy.cap + turn:
+            raise KvguardError(
+                f"tokens {p['tokens']} leave no whole turn ({p['prompt']} + {p['reply']} tokens) "
+                f"past the cap {policy.cap}: no reply would be scored after an eviction",
+                fix=f"raise tokens well past the cap (e.g. {policy.cap + 16 * turn})",
+                key="params.tokens",
+            )
         require_text_room(fields, p["tokens"], "params.tokens")
         return GenerateSpec(
             policy, p["tokens"], fields.text_name(), p["prompt"], p["reply"], p["prefill_step"]
         )
-
-    def check_budgets(self, spec: GenerateSpec, budgets: Budgets) -> None:
-        pass  # every budget of this scenario means something for every spec
 
     def run(self, ctx: Context, check: Check[GenerateSpec]) -> Measured:
         spec = check.spec
@@ -129,8 +135,8 @@ class GenerateScenario(Scenario[GenerateSpec]):
         (nll, gen_seconds), gen_new = ctx.memo(key, converse)
         full = Policy("full")
         base_run, base_new = ctx.stream_run(check.engine, check.model, full, text, spec.tokens)
-        one_at_a_time = replace(spec.policy, chunk=1)
-        single_run, single_new = ctx.stream_run(check.engine, check.model, one_at_a_time, text,
+        # generate takes no chunk: its policy is the one fed one token at a time by the loop.
+        single_run, single_new = ctx.stream_run(check.engine, check.model, spec.policy, text,
                                                 spec.tokens)  # fmt: skip
         # Reply tokens fed past the cap: nll[i] scores token i+1, fed after token i.
         cap = spec.policy.cap

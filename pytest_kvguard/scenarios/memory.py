@@ -191,8 +191,9 @@ class MemoryScenario(Scenario[MemorySpec]):
 
         def predict(n_tokens: int) -> float:
             return predict_engine_kv_bytes(
-                engine, arch, n_tokens, spec.policy, element_bytes=loaded.kv_element_bytes
-            )
+                engine, arch, n_tokens, spec.policy, element_bytes=loaded.kv_element_bytes,
+                last_call=run.sample(n_tokens).call,
+            )  # fmt: skip
 
         result = memory_result(run, spec.lengths, predict)
         for row in result.rows:

@@ -23,7 +23,8 @@ from pytest_kvguard.scenarios.base import (
     Scenario,
     require_text_room,
 )
-from pytest_kvguard.scenarios.feeding import StreamRun, perplexity
+from pytest_kvguard.scenarios.feeding import StreamRun
+from pytest_kvguard.scoring import perplexity
 from pytest_kvguard.texts import load_text
 
 

@@ -36,7 +36,8 @@ from pytest_kvguard.scenarios.base import (
     Scenario,
     require_text_room,
 )
-from pytest_kvguard.scenarios.feeding import chunks, nll_of
+from pytest_kvguard.scenarios.feeding import chunks
+from pytest_kvguard.scoring import nll_of
 from pytest_kvguard.texts import DEFAULT_TEXT, load_text
 
 DEFAULT_FACT = "Note for later: the password of the blue vault is PAPAYA-7.\n\n"

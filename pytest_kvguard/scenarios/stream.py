@@ -30,7 +30,8 @@ from pytest_kvguard.scenarios.base import (
     check_bounded_run,
     require_text_room,
 )
-from pytest_kvguard.scenarios.feeding import StreamRun, growth_metric, perplexity
+from pytest_kvguard.scenarios.feeding import StreamRun, growth_metric
+from pytest_kvguard.scoring import perplexity
 from pytest_kvguard.texts import load_text
 
 

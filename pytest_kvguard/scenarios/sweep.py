@@ -206,7 +206,8 @@ class SweepScenario(Scenario[SweepSpec]):
         result = SweepResult(rows)
         metrics = result.metrics
         return Measured(
-            policy=f"sinks {list(spec.sinks)}/{spec.cap} {'+'.join(spec.positions)}",
+            policy=f"sinks {list(spec.sinks)}/{spec.cap} {'+'.join(spec.positions)}"
+            + (f" chunk{spec.chunk}" if spec.chunk > 1 else ""),
             tokens=spec.tokens,
             text=text,
             metrics=metrics,
