@@ -105,6 +105,11 @@ def test_llama_cpp_chunk_keeps_the_sinks(kvguard_runner: Runner) -> None:
     assert lc.llama_memory_seq_pos_min(memory, 0) == 0  # the first sink is still held
     assert lc.llama_memory_seq_pos_max(memory, 0) == fed + chunk - 1
     assert batched.held == cap and batched.evicted == fed + chunk - cap
+    # Without the sinks, what is left starts where the chunk's eviction stopped: the queries saw
+    # positions 0..3 and, of the window, the cap - chunk - sinks newest before the chunk.
+    lc.llama_memory_seq_rm(memory, 0, 0, SINKS)
+    oldest_kept = fed - (cap - chunk - SINKS)
+    assert lc.llama_memory_seq_pos_min(memory, 0) == oldest_kept  # 28: 60 cells to 87 with 4 sinks
     batched.close()
 
     sequential = fill()
