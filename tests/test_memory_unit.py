@@ -116,3 +116,24 @@ def test_stream_samples_land_exactly_on_the_lengths() -> None:
     ]  # fmt: skip
     assert len(run.nll) == 0  # score=False: no logits asked for
     assert run.kv_growth_after_cap() == 0
+
+
+def test_predictions_follow_the_calls_the_policy_plans_not_the_engine() -> None:
+    from pytest_kvguard.scenarios.memory import planned_calls
+
+    chunked = make_policy("sink", cap=256, sinks=4, chunk=64)
+    # 252 + 4 fill the cap, then 64-token chunks, the last one cut at 600.
+    assert planned_calls(chunked, 256, 600, [256, 384, 600]) == {
+        252: 252,
+        256: 4,
+        320: 64,
+        384: 64,
+        448: 64,
+        512: 64,
+        576: 64,
+        600: 24,
+    }
+    # One token at a time past the cap, whatever the engine reports: a dropped cap cannot
+    # move its own prediction.
+    default = make_policy("engine_default", cap=256, positions="absolute")
+    assert planned_calls(default, 256, 384, [256, 384])[384] == 1

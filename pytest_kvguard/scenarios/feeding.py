@@ -62,8 +62,6 @@ class StreamSample:
     """KV entries held (the largest layer)."""
     figures: dict[str, float]
     """The engine's memory figures at that moment (kv_bytes, peak_memory_bytes, ...)."""
-    call: int = 1
-    """Tokens fed by the engine call that ended here."""
 
 
 @dataclass(frozen=True)
@@ -151,7 +149,7 @@ def run_stream(
                 nll[done : done + scored] = nll_of(logits[:scored], targets[done : done + scored])
             done += size
             if done in points:
-                samples.append(StreamSample(done, stream.held, stream.figures(), size))
+                samples.append(StreamSample(done, stream.held, stream.figures()))
             if progress is not None and (done >= next_report or done == n):
                 progress(done, n)
                 next_report = done + max(1, n // 4)

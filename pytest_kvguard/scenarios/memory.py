@@ -15,6 +15,7 @@ from typing import Any
 from pytest_kvguard.budgets import Budgets
 from pytest_kvguard.capacity import load_arch, predict_engine_kv_bytes
 from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.models import ModelArch
 from pytest_kvguard.policies import Policy
 from pytest_kvguard.scenarios.base import (
     CAP,
@@ -33,7 +34,7 @@ from pytest_kvguard.scenarios.base import (
     check_bounded_run,
     require_text_room,
 )
-from pytest_kvguard.scenarios.feeding import StreamRun, growth_metric
+from pytest_kvguard.scenarios.feeding import StreamRun, chunks, growth_metric
 from pytest_kvguard.texts import load_text
 from pytest_kvguard.units import format_size
 
@@ -105,6 +106,39 @@ class MemoryResult:
             f"(worst: {format_size(worst.kv_bytes)} vs {format_size(worst.predicted_bytes)} "
             f"at {worst.tokens} tokens)"
         ]
+
+
+class _PlannedRoom:
+    """The room a cache of ``capacity`` entries has after ``fed`` tokens (one evicted per token
+    past it), for planning kvguard's own calls without an engine."""
+
+    def __init__(self, capacity: int | None) -> None:
+        self.capacity, self.fed = capacity, 0
+
+    def room(self) -> int | None:
+        return None if self.capacity is None else self.capacity - min(self.fed, self.capacity)
+
+
+def planned_calls(
+    policy: Policy, capacity: int | None, n_tokens: int, stops: Sequence[int]
+) -> dict[int, int]:
+    """The size of the call that ends at each of ``stops``, when ``n_tokens`` are fed to a cache
+    that holds ``capacity`` entries (None: never full), on kvguard's own schedule."""
+    planned, ends = _PlannedRoom(capacity), {}
+    for size in chunks(planned, policy, n_tokens, stops):  # type: ignore[arg-type]
+        planned.fed += size
+        ends[planned.fed] = size
+    return ends
+
+
+def rotating_capacity(engine: str, policy: Policy, arch: ModelArch) -> int | None:
+    """Entries a rotating cache of this policy holds: the cap, or on mlx-lm's swa the model's
+    window (its sliding layers are rotating caches); None where nothing rotates."""
+    if policy.cap is not None:
+        return policy.cap
+    if engine == "mlx" and policy.kind == "swa":
+        return arch.sliding_window
+    return None
 
 
 def check_lengths(lengths: object) -> list[int]:
@@ -189,10 +223,16 @@ class MemoryScenario(Scenario[MemorySpec]):
                                   lengths=spec.lengths, score=False)  # fmt: skip
         arch = load_arch(check.model.resolve())
 
+        # Predicted from the calls the policy makes when its cap (or the model's window) holds,
+        # not from those the engine's reported room led to: an engine that ignores the cap
+        # must not move its own prediction.
+        ends = planned_calls(spec.policy, rotating_capacity(engine, spec.policy, arch),
+                             spec.tokens, spec.lengths)  # fmt: skip
+
         def predict(n_tokens: int) -> float:
             return predict_engine_kv_bytes(
                 engine, arch, n_tokens, spec.policy, element_bytes=loaded.kv_element_bytes,
-                last_call=run.sample(n_tokens).call,
+                last_call=ends[n_tokens],
             )  # fmt: skip
 
         result = memory_result(run, spec.lengths, predict)
