@@ -2,10 +2,12 @@
 
 Started by ``workers.EngineWorker``; not a command for users. It receives the folders the
 pytest process imports from outside its environment and a ``WorkerSetup`` (it answers
-``("ready",)``), then
-``("run", check)`` requests, and answers each with ``("say", line, detail)`` progress lines
-followed by ``("outcome", outcome)``, ``("error", KvguardError)`` (something the user can fix)
-or ``("bug", summary, traceback)`` (any other exception). Engines load once and stay
+``("ready",)``), then an optional ``("plan", checks)`` (the checks it will be sent, so runs
+of several checks can decode together; no answer), then ``("run", check)`` requests, and
+answers each with ``("say", line, detail)`` progress lines (and ``("grouped",)`` before it
+decodes other checks' policies together with the check's) followed by ``("outcome",
+outcome)``, ``("error", KvguardError)`` (something the user can fix) or ``("bug", summary,
+traceback)`` (any other exception). Engines load once and stay
 loaded; runs are shared across checks as they were in one pytest process.
 """
 
@@ -37,6 +39,9 @@ def serve(receive: Connection, send: Connection) -> None:
         send.send(("say", line, detail))
 
     runner = Runner(setup.options, say)
+    # Before decoding other checks' policies with the one asked for: if the worker dies now,
+    # the pytest process runs the check again alone.
+    runner.on_group = lambda: send.send(("grouped",))
     with contextlib.ExitStack() as stack:
         stack.callback(runner.close)
         if setup.fault:
@@ -48,6 +53,9 @@ def serve(receive: Connection, send: Connection) -> None:
                 return  # the pytest process went away
             if request[0] == "close":
                 return
+            if request[0] == "plan":  # the checks this worker will be sent, before the first
+                runner.plan(request[1])
+                continue
             try:
                 outcome = run_check(runner, request[1])
             except KvguardError as exc:

@@ -40,6 +40,7 @@ from pytest_kvguard.session import (
     ENVIRONMENTS_KEY,
     FAULT_KEY,
     OUTCOMES_KEY,
+    PLAN_KEY,
     POOL_KEY,
     RUNNER_KEY,
     TIMEOUT_KEY,
@@ -216,9 +217,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
+    checks = [i for i in session.items if isinstance(i, CheckItem)]
     reporter = session.config.pluginmanager.get_plugin(REPORTER)
     if reporter is not None:
-        reporter.expect([i.nodeid for i in session.items if isinstance(i, CheckItem)])
+        reporter.expect([i.nodeid for i in checks])
+    # Under xdist each worker runs a share of the checks it collected: no plan there.
+    if not hasattr(session.config, "workerinput"):
+        session.config.stash[PLAN_KEY] = [i.check for i in checks]
 
 
 @pytest.hookimpl(optionalhook=True)

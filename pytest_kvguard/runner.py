@@ -7,7 +7,7 @@ judges its budgets into an ``Outcome``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -17,8 +17,8 @@ from pytest_kvguard.models import ModelRef, file_sha256, read_arch
 from pytest_kvguard.outcome import Outcome
 from pytest_kvguard.policies import Policy
 from pytest_kvguard.scenarios import SCENARIOS
-from pytest_kvguard.scenarios.base import Check
-from pytest_kvguard.scenarios.feeding import StreamRun, run_stream
+from pytest_kvguard.scenarios.base import Check, PlannedRun
+from pytest_kvguard.scenarios.feeding import Progress, StreamRun, run_stream, run_streams
 from pytest_kvguard.texts import Text
 
 T = TypeVar("T")
@@ -39,6 +39,11 @@ class Runner:
         self._engines: dict[tuple[str, Path], Engine] = {}
         self._tokens: dict[tuple[Path, str], list[int]] = {}
         self._memo: dict[tuple[Any, ...], Any] = {}
+        self._planned: dict[tuple[Any, ...], PlannedRun] = {}
+        self.on_group: Callable[[], None] | None = None
+        """Called before policies of other checks are decoded together with the one asked for."""
+        self._alone: set[tuple[Any, ...]] = set()
+        """Runs a peak-memory budget judges: decoded alone, so the peak is the policy's own."""
 
     def say(self, line: str, detail: bool = False) -> None:
         self._say(line, detail)
@@ -75,6 +80,45 @@ class Runner:
             )
         return cached[:count]
 
+    def plan(self, checks: Sequence[Check[Any]]) -> None:
+        """Learn the scored stream runs the coming checks will ask for: when one of them is
+        computed, the planned runs it can decode together with are computed with it."""
+        for check in checks:
+            try:
+                planned = SCENARIOS[check.scenario].planned_runs(check)
+            except (KvguardError, OSError):
+                continue  # the check reports it when it runs
+            for run in planned:
+                key = self._stream_key(run.engine, run.model, run.policy, run.text, run.count)
+                self._planned[key] = run
+                if check.budgets.max_peak_memory_bytes is not None:
+                    self._alone.add(key)
+
+    @staticmethod
+    def _stream_key(
+        engine: str, model: ModelRef, policy: Policy, text: Text, count: int,
+        lengths: tuple[int, ...] = (), score: bool = True,
+    ) -> tuple[Any, ...]:  # fmt: skip
+        return ("stream", engine, model.resolve(), text.sha256, count, policy, lengths, score)
+
+    def _companions(
+        self, engine: str, model: ModelRef, policy: Policy, text: Text, count: int
+    ) -> list[Policy]:
+        """Planned, not yet computed policies that can decode together with ``policy``."""
+        loaded = self.engine(engine, model)
+        group_key = getattr(loaded, "group_key", None)
+        if group_key is None or group_key(policy) is None:
+            return []
+        found = []
+        for key, run in self._planned.items():
+            same_ids = (run.engine, run.model.resolve(), run.text.sha256, run.count) == (
+                engine, model.resolve(), text.sha256, count)  # fmt: skip
+            free = key not in self._memo and key not in self._alone and run.policy not in found
+            if same_ids and free and run.policy != policy and group_key(run.policy) == group_key(
+                    policy):  # fmt: skip
+                found.append(run.policy)
+        return found
+
     def stream_run(
         self,
         engine: str,
@@ -88,21 +132,43 @@ class Runner:
     ) -> tuple[StreamRun, bool]:
         """The run, and whether it was computed now (False: reused from this session)."""
         check_policy(engine, policy, "stream" if score else "memory")  # direct callers too
-        key = ("stream", engine, model.resolve(), text.sha256, count, policy, lengths, score)
+        key = self._stream_key(engine, model, policy, text, count, lengths, score)
         label = f"{engine} {model.name} {policy.describe()}"
 
-        def compute() -> StreamRun:
-            ids = self.token_ids(engine, model, text, count)
-
+        def progress_of(label: str) -> Progress:
             def progress(done: int, total: int) -> None:
                 if done < total:
                     self.say(f"{label}: {done}/{total} tokens", detail=True)
 
-            run = run_stream(self.engine(engine, model), policy, ids, progress, lengths, score)
-            self.say(f"{label}: done in {run.seconds:.1f} s ({run.tokens_per_second:.0f} tokens/s)")
-            return run
+            return progress
+
+        def compute() -> StreamRun:
+            ids = self.token_ids(engine, model, text, count)
+            loaded = self.engine(engine, model)
+            grouped = score and not lengths and key not in self._alone
+            companions = self._companions(engine, model, policy, text, count) if grouped else []
+            if not companions:
+                run = run_stream(loaded, policy, ids, progress_of(label), lengths, score)
+                self.say(f"{label}: done in {run.seconds:.1f} s "
+                         f"({run.tokens_per_second:.0f} tokens/s)")  # fmt: skip
+                return run
+            if self.on_group is not None:
+                self.on_group()
+            policies = [policy, *companions]
+            names = ", ".join(p.describe() for p in policies)
+            runs = run_streams(loaded, policies, ids, progress_of(f"{engine} {model.name} {names}"))
+            for other, other_run in zip(companions, runs[1:], strict=True):
+                self._memo[self._stream_key(engine, model, other, text, count)] = other_run
+            self.say(f"{engine} {model.name}: {names} decoded together in {runs[0].seconds:.1f} s")
+            return runs[0]
 
         return self.memo(key, compute)
+
+    def saved(self, key: tuple[Any, ...]) -> Any:
+        return self._memo.get(key)
+
+    def save(self, key: tuple[Any, ...], value: Any) -> None:
+        self._memo[key] = value
 
     def memo(self, key: tuple[Any, ...], compute: Callable[[], T]) -> tuple[T, bool]:
         if key in self._memo:

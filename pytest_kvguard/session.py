@@ -36,6 +36,8 @@ POOL_KEY = pytest.StashKey[WorkerPool]()
 ENVIRONMENTS_KEY = pytest.StashKey[Environments]()
 TIMEOUT_KEY = pytest.StashKey[float | None]()
 OUTCOMES_KEY = pytest.StashKey[list[Outcome]]()
+PLAN_KEY = pytest.StashKey[list[Check[Any]]]()
+"""The budgets-file checks this session will run, in order (not under xdist)."""
 PROPERTY = "kvguard"
 """user_properties name that carries a check's row (to the xdist controller and JUnit)."""
 
@@ -68,10 +70,13 @@ def run_gated(config: pytest.Config, check: Check[Any]) -> Outcome:
     other run or the baseline. ``WorkerLost`` when the worker died or hung running it."""
     environments = config.stash.get(ENVIRONMENTS_KEY, Environments())
     timeout = check.timeout if check.timeout is not None else config.stash.get(TIMEOUT_KEY, None)
-    # The model file is found here: a worker's environment need not have the model packages.
-    sent = replace(check, model=replace(check.model, path=check.model.resolve()))
+    sent = _sendable(check)
     pool = session_pool(config)
-    outcome = pool.run(sent, environments.python_for(check.engines), timeout)
+    python = environments.python_for(check.engines)
+    worker = pool.worker(python)
+    if worker.plan is None:
+        worker.plan = _plan_for(config, environments, python)
+    outcome = pool.run(sent, python, timeout)
     other_python, why_not = environments.against_for(check.engines)
     if other_python is not None:
         try:
@@ -82,6 +87,24 @@ def run_gated(config: pytest.Config, check: Check[Any]) -> Outcome:
     if why_not is not None:
         return replace(outcome, baseline_status=why_not)
     return against_baseline(config, outcome)
+
+
+def _sendable(check: Check[Any]) -> Check[Any]:
+    """The check with its model file found here: a worker's environment need not have the
+    model packages."""
+    return replace(check, model=replace(check.model, path=check.model.resolve()))
+
+
+def _plan_for(config: pytest.Config, environments: Environments, python: str) -> list[Check[Any]]:
+    """The session's checks that run on this interpreter, for the worker to plan its runs."""
+    planned = []
+    for check in config.stash.get(PLAN_KEY, []):
+        try:
+            if environments.python_for(check.engines) == python:
+                planned.append(_sendable(check))
+        except KvguardError:
+            continue  # the check reports it when it runs
+    return planned
 
 
 def _tolerances(config: pytest.Config) -> Any:

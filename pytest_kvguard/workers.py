@@ -15,6 +15,7 @@ another environment supplies the engine and its dependencies, not kvguard's prot
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
 import signal
@@ -154,6 +155,10 @@ class EngineWorker:
         self._receive: Connection | None = None
         self._log: IO[bytes] | None = None
         self._busy = False
+        self._grouped = False
+        """Whether the check in flight decoded with other checks' policies."""
+        self.plan: list[Check[Any]] | None = None
+        """The checks this worker will be sent, told to it after each start; None: not known."""
 
     @property
     def alive(self) -> bool:
@@ -204,13 +209,32 @@ class EngineWorker:
 
     def run(self, check: Check[Any], timeout: float | None) -> Outcome:
         """The check's outcome from this worker; ``WorkerLost`` when the worker does not live
-        to give it, ``KvguardError`` for what the check itself got wrong."""
+        to give it, ``KvguardError`` for what the check itself got wrong.
+
+        A worker lost while it decoded this check's policy together with other checks'
+        policies (it said ``("grouped",)``) may have died of one of theirs: it is restarted
+        without the plan and the check runs again alone, so a crash costs the check that
+        causes it and no other.
+        """
+        try:
+            return self._run_once(check, timeout)
+        except WorkerLost:
+            if not self._grouped:
+                raise
+            self.plan = []
+            return self._run_once(check, timeout)
+
+    def _run_once(self, check: Check[Any], timeout: float | None) -> Outcome:
         if not self.alive:
             self._stop()
             self._start()
+            if self.plan:
+                with contextlib.suppress(OSError):  # a dead worker: the run below says so
+                    self._send.send(("plan", self.plan))  # type: ignore[union-attr]
         assert self._send is not None and self._receive is not None
         what = f"{check.name} on {' and '.join(check.engines)}"
         self._busy = True
+        self._grouped = False
         try:
             return self._exchange(check, what, timeout)
         finally:
@@ -244,6 +268,8 @@ class EngineWorker:
             kind = message[0]
             if kind == "say":
                 self._say(message[1], message[2])
+            elif kind == "grouped":
+                self._grouped = True
             elif kind == "outcome":
                 outcome: Outcome = message[1]
                 return outcome

@@ -71,6 +71,16 @@ class FakeEngine:
     def open_prefix_cache(self, policy: Policy, max_tokens: int) -> FakePrefixCache:
         return FakePrefixCache(policy)
 
+    def group_key(self, policy: Policy) -> tuple[str, int] | None:
+        """As mlx's: capped policies fed a token at a time, one group per cap."""
+        if policy.kind in ("sink", "window") and policy.chunk == 1 and policy.cap is not None:
+            return ("capped", policy.cap)
+        return None
+
+    def open_stream_group(self, policies: Sequence[Policy], max_tokens: int) -> FakeStreamGroup:
+        FakeStreamGroup.opened.append(list(policies))
+        return FakeStreamGroup([FakeStream(p) for p in policies])
+
     def converse(
         self, policy: Policy, token_ids: Sequence[int], turns: Sequence[Turn], prefill_step: int
     ) -> np.ndarray:
@@ -127,10 +137,30 @@ class FakeStream:
         pass
 
     def figures(self) -> dict[str, float]:
-        return {"kv_bytes": float(self.held * 64)}
+        return {"kv_bytes": float(self.held * 64), "peak_memory_bytes": float(self.fed * 64)}
 
     def layer_sizes(self) -> list[tuple[int, int]]:
         return [(self.fed, self.held)]
+
+
+class FakeStreamGroup:
+    """Rows decoded one after another: it tests the scheduling, not a shared forward pass."""
+
+    opened: list[list[Policy]] = []
+    """The policies of every group opened in this process, for tests to read."""
+    steps_together = 0
+
+    def __init__(self, streams: list[FakeStream]) -> None:
+        self.streams = streams
+
+    def feed_one(self, token_id: int) -> np.ndarray:
+        if len({s.held for s in self.streams}) != 1:
+            raise AssertionError("rows of different sizes were fed together")
+        FakeStreamGroup.steps_together += 1
+        return np.concatenate([s.feed([token_id]) for s in self.streams])
+
+    def close(self) -> None:
+        pass
 
 
 class FakePrefixCache:

@@ -35,6 +35,12 @@ def test_the_bundled_file_shows_the_cliff_on_both_engines() -> None:
         assert all(c.spec.tokens >= 1500 for c in stream if c.model.name == "smollm2-135m")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def planned(kvguard_runner: Runner) -> None:
+    """As the gate's engine worker is told: runs of several checks then decode together."""
+    kvguard_runner.plan(BUNDLED.checks)
+
+
 @pytest.mark.parametrize("check", BUNDLED.checks, ids=lambda c: c.name)
 def test_bundled_check(kvguard_runner: Runner, check: Check[Any]) -> None:
     outcome = run_check(kvguard_runner, check)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from pytest_kvguard.budgets import Budgets
 from pytest_kvguard.checks import Written, build_check
 from pytest_kvguard.models import ModelRef, read_arch
-from pytest_kvguard.policies import make_policy
+from pytest_kvguard.policies import Policy, make_policy
 from pytest_kvguard.runner import Runner, run_check
 from pytest_kvguard.scenarios.feeding import run_stream
 from pytest_kvguard.texts import pydoc_topics
@@ -102,6 +103,40 @@ def test_edit_replay_counts_are_repeatable(kvguard_runner: Runner) -> None:
     # A checkpoint before the split was restored: less than the whole prompt is re-prefilled.
     assert 0 < first["restored_checkpoint"] <= first["split"]
     assert first["reused_tokens"] == first["restored_checkpoint"]
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [make_policy("swa", checkpoints=3, checkpoint_step=1024), make_policy("swa_full")],
+    ids=["swa-ckpt", "swa_full"],
+)
+def test_a_restored_prefill_replays_like_a_fresh_one(
+    kvguard_runner: Runner, policy: Policy
+) -> None:
+    """llama_state_get_data / set_data: a follow-up served from the saved prefill reuses,
+    re-prefills and costs exactly what it does after prefilling the chat itself."""
+    from pytest_kvguard.scenarios.edit_replay import (
+        followup,
+        history,
+        load_conversation,
+        run_edit_replay,
+    )
+
+    engine = kvguard_runner.engine("llama_cpp", ModelRef("gemma3-270m"))
+    chat = load_conversation("tutor", Path("."))
+    first = engine.tokenize(engine.render_chat(history(chat)))
+    second = engine.tokenize(engine.render_chat(followup(chat, "edit", 13)))
+    fresh, prefilled = run_edit_replay(engine, policy, first, second)
+    assert prefilled is not None
+    restored, again = run_edit_replay(engine, policy, first, second, prefilled)
+    assert again is prefilled
+
+    def counts(run: Any) -> tuple[int, int, int | None]:
+        return run.replay.reused, run.replay.reprefilled, run.replay.restored_checkpoint
+
+    assert counts(restored) == counts(fresh)
+    assert restored.memory == fresh.memory
+    assert 0 < fresh.replay.reused < fresh.replay.prompt_tokens
 
 
 @pytest.mark.kv_budget(min_reused_tokens=4153, max_reprefill_tokens=29, max_memory_bytes="28 MiB")

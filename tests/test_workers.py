@@ -75,6 +75,22 @@ def test_a_crashed_worker_costs_one_check_and_the_run_goes_on(
     assert report["verdict"] == "fail" and report["complete"] is False  # never a baseline
 
 
+def test_a_crash_in_another_checks_policy_decoded_together_costs_only_that_check(
+    gate: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """toy-window runs first, and its window decodes together with toy-sink's planned sink
+    policy, which aborts: toy-window is run again alone and judged; only toy-sink is lost."""
+    head, sink, window, replay = THREE_CHECKS.replace("TIMEOUT", "").split("  - name: ")
+    gate.makefile(".yaml", budgets="  - name: ".join([head, window, sink, replay]))
+    monkeypatch.setenv("KVGUARD_FAKE_CRASH", "sink")
+    result = gate.runpytest("--kvguard", "budgets.yaml", "--kvguard-json", "report.json")
+    result.assert_outcomes(passed=2, failed=1)
+    rows = {c["name"]: c for c in report_of(gate)["checks"]}
+    assert rows["toy-window"]["verdict"] == "CAUGHT"
+    assert rows["toy-sink"]["verdict"] == "ERROR" and "SIGABRT" in rows["toy-sink"]["error"]
+    assert report_of(gate)["lost_checks"] == ["toy-sink"]
+
+
 def test_a_hung_worker_is_killed_at_the_checks_time_limit(
     gate: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -58,8 +58,30 @@ class Stream(Protocol):
     def close(self) -> None: ...
 
 
+class StreamGroup(Protocol):
+    """Several streams of one engine and model, one policy each, that can decode the same next
+    token in one engine call: the weights are read once for all of them (``Engine.
+    open_stream_group``). Each row keeps its own real cache; figures stay per row."""
+
+    @property
+    def streams(self) -> Sequence[Stream]:
+        """One stream per policy, in order; each can also be fed alone."""
+        ...
+
+    def feed_one(self, token_id: int) -> np.ndarray:
+        """Decode ``token_id`` on every row at once (every row's cache full, same length):
+        the logits, one row per stream (len(streams), vocab) float32."""
+        ...
+
+    def close(self) -> None: ...
+
+
 class PrefixCache(Protocol):
-    """An engine's cache holding one prompt, able to serve an edited prompt (edit_replay)."""
+    """An engine's cache holding one prompt, able to serve an edited prompt (edit_replay).
+
+    An adapter may also offer ``save() -> object`` (a snapshot of what the cache holds, in the
+    engine's own state format) and ``restore(saved)`` (a fresh cache of the same policy made to
+    hold it): the scenario then prefills each chat once per policy."""
 
     def extend(self, token_ids: Sequence[int], start: int) -> None:
         """Decode ``token_ids`` at positions ``start``, ``start + 1``, ... after the cached ones."""
@@ -81,7 +103,12 @@ class PrefixCache(Protocol):
 
 @runtime_checkable
 class Engine(Protocol):
-    """A loaded model in a real inference engine."""
+    """A loaded model in a real inference engine.
+
+    An adapter may also offer ``group_key(policy) -> Hashable | None`` and
+    ``open_stream_group(policies, max_tokens) -> StreamGroup``: policies with the same non-None
+    key then decode together (see ``scenarios.feeding.run_streams``).
+    """
 
     name: str
     kv_element_bytes: float

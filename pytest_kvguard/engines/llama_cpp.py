@@ -445,6 +445,26 @@ class LlamaCppPrefixCache(_Sequence):
         self.checkpoints = [c for c in self.checkpoints if c.n_tokens <= keep]
         return keep, restored
 
+    def save(self) -> tuple[bytes, list[_Checkpoint]]:
+        """The whole context's state (llama_state_get_data: every cell of every layer, the
+        sliding layers' out-of-window cells included) and the checkpoints taken so far."""
+        size = lc.llama_state_get_size(self.ctx)
+        buffer = (ctypes.c_uint8 * size)()
+        written = lc.llama_state_get_data(self.ctx, buffer, size)
+        if written != size:
+            raise EngineError(f"llama.cpp wrote {written} of {size} state bytes")
+        return bytes(buffer), list(self.checkpoints)
+
+    def restore(self, saved: object) -> None:
+        assert isinstance(saved, tuple)
+        state: bytes = saved[0]
+        checkpoints: list[_Checkpoint] = saved[1]
+        data = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        read = lc.llama_state_set_data(self.ctx, data, len(state))
+        if read != len(state):
+            raise EngineError(f"llama.cpp restored {read} of {len(state)} state bytes")
+        self.checkpoints = list(checkpoints)
+
     def memory_bytes(self) -> dict[str, float]:
         return {
             # The whole context state: every KV cell held (sliding layers included, all of them

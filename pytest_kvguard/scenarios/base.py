@@ -245,6 +245,17 @@ class Check(Generic[SpecT]):
 
 
 @dataclass(frozen=True)
+class PlannedRun:
+    """A scored stream run a check will ask the context for (``Scenario.planned_runs``)."""
+
+    engine: str
+    model: ModelRef
+    policy: Policy
+    text: Text
+    count: int
+
+
+@dataclass(frozen=True)
 class Measured:
     """What a scenario's run gives the judge: figures, findings and what the report shows."""
 
@@ -288,6 +299,14 @@ class Context(Protocol):
         """``compute()``'s result, computed once per session for ``key``; and whether now."""
         ...
 
+    def saved(self, key: tuple[Any, ...]) -> Any:
+        """What ``save`` kept under ``key`` this session; None if nothing was."""
+        ...
+
+    def save(self, key: tuple[Any, ...], value: Any) -> None:
+        """Keep ``value`` for later checks of this session (an engine snapshot, say)."""
+        ...
+
     def say(self, line: str, detail: bool = False) -> None: ...
 
 
@@ -320,6 +339,12 @@ class Scenario(ABC, Generic[SpecT]):
     @abstractmethod
     def run(self, ctx: Context, check: Check[SpecT]) -> Measured:
         """Run the check on the engines; the caller judges the budgets."""
+
+    def planned_runs(self, check: Check[SpecT]) -> list[PlannedRun]:
+        """The scored stream runs ``run`` will ask for, told to the context before any check
+        runs, so that runs of several checks can decode together. None by default; a run
+        left out is still made, alone."""
+        return []
 
     @abstractmethod
     def table(self, outcomes: Sequence[Any]) -> tuple[list[str], list[list[list[str]]]]:

@@ -167,15 +167,37 @@ class ReplayRun:
         }
 
 
+@dataclass(frozen=True)
+class Prefilled:
+    """The first prompt as the engine held it after prefilling, saved for the next follow-up."""
+
+    saved: object
+    """What the engine's prefix cache ``save`` returned."""
+    seconds: float
+    """How long the prefill took when it was made."""
+
+
 def run_edit_replay(
-    engine: Engine, policy: Policy, first_ids: Sequence[int], followup_ids: Sequence[int]
-) -> ReplayRun:
-    """Prefill the first prompt into a fresh cache, then replay the follow-up against it."""
+    engine: Engine,
+    policy: Policy,
+    first_ids: Sequence[int],
+    followup_ids: Sequence[int],
+    prefilled: Prefilled | None = None,
+) -> tuple[ReplayRun, Prefilled | None]:
+    """Prefill the first prompt into a fresh cache (or restore ``prefilled``, the engine's own
+    snapshot of that prefill), then replay the follow-up against it. Also returns the prefill
+    saved for the next follow-up, where the engine can save one."""
     cache = engine.open_prefix_cache(policy, max(len(first_ids), len(followup_ids)))
     try:
-        started = time.perf_counter()
-        cache.extend(first_ids, 0)
-        prefill_seconds = time.perf_counter() - started
+        if prefilled is None:
+            started = time.perf_counter()
+            cache.extend(first_ids, 0)
+            seconds = time.perf_counter() - started
+            save = getattr(cache, "save", None)
+            prefilled = None if save is None else Prefilled(save(), seconds)
+        else:
+            cache.restore(prefilled.saved)  # type: ignore[attr-defined]
+            seconds = 0.0  # reused: reported as 0 s, like any run reused from earlier
         memory = cache.memory_bytes()
         started = time.perf_counter()
         split = common_prefix(first_ids, followup_ids)
@@ -192,7 +214,7 @@ def run_edit_replay(
         )
     finally:
         cache.close()
-    return ReplayRun(policy, len(first_ids), replay, memory, prefill_seconds)
+    return ReplayRun(policy, len(first_ids), replay, memory, seconds), prefilled
 
 
 @dataclass(frozen=True)
@@ -265,8 +287,17 @@ class EditReplayScenario(Scenario[ReplaySpec]):
         second_text = loaded.render_chat(followup(conversation, spec.followup, spec.message))
         first_ids, second_ids = loaded.tokenize(first_text), loaded.tokenize(second_text)
         label = f"{check.engine} {check.model.name} {spec.policy.describe()} {spec.followup}"
-        ctx.say(f"{label}: prefilling {len(first_ids)} tokens, then the follow-up")
-        run = run_edit_replay(loaded, spec.policy, first_ids, second_ids)
+        # One prefill per engine, model, policy and chat; each follow-up restores the engine's
+        # own snapshot of it into a fresh cache.
+        key = ("prefilled", check.engine, check.model.resolve(), spec.policy, tuple(first_ids))
+        prefilled = ctx.saved(key)
+        if prefilled is None:
+            ctx.say(f"{label}: prefilling {len(first_ids)} tokens, then the follow-up")
+        else:
+            ctx.say(f"{label}: restoring the saved {len(first_ids)}-token prefill")
+        run, saved = run_edit_replay(loaded, spec.policy, first_ids, second_ids, prefilled)
+        if prefilled is None and saved is not None:
+            ctx.save(key, saved)
         replay = run.replay
         ctx.say(f"{label}: reused {replay.reused}, re-prefilled {replay.reprefilled} "
                 f"in {replay.seconds:.1f} s")  # fmt: skip

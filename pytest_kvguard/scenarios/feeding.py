@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pytest_kvguard.engines import Engine, Stream
+from pytest_kvguard.engines import Engine, Stream, StreamGroup
 from pytest_kvguard.policies import Policy
 from pytest_kvguard.scoring import nll_of
 
@@ -115,6 +115,62 @@ def sample_points(policy: Policy, n_tokens: int, lengths: Collection[int] = ()) 
     return sorted(points)
 
 
+class _Pass:
+    """One policy's pass over the token ids: its own chunk schedule, scores and samples."""
+
+    def __init__(
+        self, stream: Stream, policy: Policy, token_ids: Sequence[int], points: list[int],
+        score: bool,
+    ) -> None:  # fmt: skip
+        n = len(token_ids)
+        self.stream, self.policy, self.token_ids = stream, policy, token_ids
+        self.points, self.score, self.n = points, score, n
+        self.targets = np.asarray(token_ids[1:], dtype=np.int64)
+        self.nll = np.empty(n - 1 if score else 0, dtype=np.float64)
+        self.first_eviction: int | None = None
+        self.samples: list[StreamSample] = []
+        self.done = 0
+        self._sizes = chunks(stream, policy, n, points)
+        self.pending: int | None = next(self._sizes, None)
+        """The size of the next engine call; None once every token is fed."""
+
+    def feed_alone(self) -> None:
+        assert self.pending is not None
+        size, evicted_before = self.pending, self.stream.evicted
+        logits = self.stream.feed(self.token_ids[self.done : self.done + size], logits=self.score)
+        self.took(size, logits, evicted_before)
+
+    def took(self, size: int, logits: np.ndarray, evicted_before: int) -> None:
+        """Score what the call returned, sample the figures where due, plan the next call."""
+        done, stream = self.done, self.stream
+        if self.first_eviction is None and stream.evicted > evicted_before:
+            self.first_eviction = done
+        scored = min(size, self.n - 1 - done)  # the last token has nothing left to predict
+        if self.score and scored > 0:
+            self.nll[done : done + scored] = nll_of(
+                logits[:scored], self.targets[done : done + scored]
+            )
+        self.done = done + size
+        if self.done in self.points:
+            self.samples.append(StreamSample(self.done, stream.held, stream.figures()))
+        # Read only now: the schedule decides each size from the room left after this call.
+        self.pending = next(self._sizes, None)
+
+    def result(self, seconds: float) -> StreamRun:
+        return StreamRun(
+            policy=self.policy,
+            n_tokens=self.n,
+            nll=self.nll,
+            first_eviction=self.first_eviction,
+            kv_entries=self.stream.held,
+            evicted=self.stream.evicted,
+            seconds=seconds,
+            engine_figures=self.samples[-1].figures,
+            layer_sizes=self.stream.layer_sizes(),
+            samples=self.samples,
+        )
+
+
 def run_stream(
     engine: Engine,
     policy: Policy,
@@ -128,44 +184,75 @@ def run_stream(
     The engine's figures are sampled at ``sample_points``; chunks end exactly on them.
     ``score=False`` asks the engine for no logits (memory runs): ``nll`` is then empty.
     """
-    n = len(token_ids)
-    points = sample_points(policy, n, lengths)
-    samples: list[StreamSample] = []
-    targets = np.asarray(token_ids[1:], dtype=np.int64)
-    nll = np.empty(n - 1 if score else 0, dtype=np.float64)
-    first_eviction: int | None = None
     started = time.perf_counter()
-    stream = engine.open_stream(policy, n)
+    stream = engine.open_stream(policy, len(token_ids))
     try:
-        done = 0
-        next_report = 0
-        for size in chunks(stream, policy, n, points):
-            evicted_before = stream.evicted
-            logits = stream.feed(token_ids[done : done + size], logits=score)
-            if first_eviction is None and stream.evicted > evicted_before:
-                first_eviction = done
-            scored = min(size, n - 1 - done)  # the last token has nothing left to predict
-            if score and scored > 0:
-                nll[done : done + scored] = nll_of(logits[:scored], targets[done : done + scored])
-            done += size
-            if done in points:
-                samples.append(StreamSample(done, stream.held, stream.figures()))
-            if progress is not None and (done >= next_report or done == n):
-                progress(done, n)
-                next_report = done + max(1, n // 4)
-        held, evicted = stream.held, stream.evicted
-        figures, layer_sizes = samples[-1].figures, stream.layer_sizes()
+        one = _Pass(stream, policy, token_ids, sample_points(policy, len(token_ids), lengths),
+                    score)  # fmt: skip
+        _feed_all([one], None, progress)
+        return one.result(time.perf_counter() - started)
     finally:
         stream.close()
-    return StreamRun(
-        policy=policy,
-        n_tokens=n,
-        nll=nll,
-        first_eviction=first_eviction,
-        kv_entries=held,
-        evicted=evicted,
-        seconds=time.perf_counter() - started,
-        engine_figures=figures,
-        layer_sizes=layer_sizes,
-        samples=samples,
-    )
+
+
+def run_streams(
+    engine: Engine,
+    policies: Sequence[Policy],
+    token_ids: Sequence[int],
+    progress: Progress | None = None,
+    lengths: Collection[int] = (),
+) -> list[StreamRun]:
+    """``run_stream`` for several policies at once, sharing each decode step's pass over the
+    weights where the engine can (``Engine.open_stream_group``); each policy keeps its own
+    cache, chunk schedule and figures. Without a group, the policies run one after another.
+    Every run's ``seconds`` is the whole group's wall time.
+    """
+    open_group = getattr(engine, "open_stream_group", None)
+    if len(policies) == 1 or open_group is None:
+        return [run_stream(engine, p, token_ids, progress, lengths) for p in policies]
+    n = len(token_ids)
+    started = time.perf_counter()
+    group: StreamGroup = open_group(policies, n)
+    try:
+        passes = [
+            _Pass(stream, policy, token_ids, sample_points(policy, n, lengths), True)
+            for stream, policy in zip(group.streams, policies, strict=True)
+        ]
+        _feed_all(passes, group, progress)
+        seconds = time.perf_counter() - started
+        return [one.result(seconds) for one in passes]
+    finally:
+        group.close()
+
+
+def _feed_all(passes: list[_Pass], group: StreamGroup | None, progress: Progress | None) -> None:
+    """Feed every pass to its end. A decode step that every pass takes at the same token (one
+    token each, caches full) goes through the group in one engine call; anything else (the
+    fill up to the cap, where sink counts cut their chunks differently) goes pass by pass,
+    the pass furthest behind first, so the passes meet again at the cap."""
+    n = passes[0].n
+    next_report = 0
+    while True:
+        live = [p for p in passes if p.pending is not None]
+        if not live:
+            return
+        behind = min(p.done for p in live)
+        together = (
+            group is not None
+            and len(live) == len(passes) > 1
+            and all(p.done == behind and p.pending == 1 for p in live)
+        )
+        if together:
+            assert group is not None
+            evicted_before = [p.stream.evicted for p in passes]
+            rows = group.feed_one(passes[0].token_ids[behind])
+            for k, (one, before) in enumerate(zip(passes, evicted_before, strict=True)):
+                one.took(1, rows[k : k + 1], before)
+        else:
+            for one in live:
+                if one.done == behind:
+                    one.feed_alone()
+        done = min((p.done for p in passes if p.pending is not None), default=n)
+        if progress is not None and (done >= next_report or done == n):
+            progress(done, n)
+            next_report = done + max(1, n // 4)

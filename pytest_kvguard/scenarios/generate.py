@@ -37,6 +37,7 @@ from pytest_kvguard.scenarios.base import (
     Fields,
     Measured,
     Param,
+    PlannedRun,
     Scenario,
     require_text_room,
 )
@@ -114,6 +115,12 @@ class GenerateScenario(Scenario[GenerateSpec]):
         return GenerateSpec(
             policy, p["tokens"], fields.text_name(), p["prompt"], p["reply"], p["prefill_step"]
         )
+
+    def planned_runs(self, check: Check[GenerateSpec]) -> list[PlannedRun]:
+        spec = check.spec
+        text = load_text(spec.text, check.base_dir)
+        return [PlannedRun(check.engine, check.model, p, text, spec.tokens)
+                for p in (Policy("full"), spec.policy)]  # fmt: skip
 
     def run(self, ctx: Context, check: Check[GenerateSpec]) -> Measured:
         spec = check.spec

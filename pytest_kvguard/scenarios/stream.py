@@ -26,6 +26,7 @@ from pytest_kvguard.scenarios.base import (
     Context,
     Fields,
     Measured,
+    PlannedRun,
     Scenario,
     check_bounded_run,
     require_text_room,
@@ -181,6 +182,12 @@ class StreamScenario(Scenario[StreamSpec]):
     def check_budgets(self, spec: StreamSpec, budgets: Budgets) -> None:
         check_bounded_run(spec.policy, spec.tokens, budgets)
         check_chunk_gap_budget(spec.policy, budgets)
+
+    def planned_runs(self, check: Check[StreamSpec]) -> list[PlannedRun]:
+        spec = check.spec
+        text = load_text(spec.text, check.base_dir)
+        policies = [spec.baseline, spec.policy, single_token(spec.policy)]
+        return [PlannedRun(check.engine, check.model, p, text, spec.tokens) for p in policies if p]
 
     def run(self, ctx: Context, check: Check[StreamSpec]) -> Measured:
         """Run candidate and baseline on the same token ids."""

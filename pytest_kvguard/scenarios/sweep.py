@@ -25,6 +25,7 @@ from pytest_kvguard.scenarios.base import (
     Fields,
     Measured,
     Param,
+    PlannedRun,
     Scenario,
     ascending_counts,
     require_text_room,
@@ -191,6 +192,12 @@ class SweepScenario(Scenario[SweepSpec]):
             raise exc.keyed("params.positions") from None
         require_text_room(fields, spec.tokens, "params.tokens")
         return spec
+
+    def planned_runs(self, check: Check[SweepSpec]) -> list[PlannedRun]:
+        spec = check.spec
+        text = load_text(spec.text, check.base_dir)
+        policies = [spec.baseline, *(policy for _, _, policy in spec.policies())]
+        return [PlannedRun(check.engine, check.model, p, text, spec.tokens) for p in policies]
 
     def run(self, ctx: Context, check: Check[SweepSpec]) -> Measured:
         """Every sink count under every position handling, same cap, same token ids."""

@@ -1,0 +1,114 @@
+"""Policies decoded together (one forward pass of several rows) give each policy's own figures.
+
+The toy engine tests the scheduling and the runner's plan; real mlx-lm on the bundled SmolLM2
+compares every grouped run with the same policy run alone on the same token ids.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from pytest_kvguard.budgets import Budgets
+from pytest_kvguard.checks import Written, build_check
+from pytest_kvguard.engines import EngineOptions
+from pytest_kvguard.models import ModelRef
+from pytest_kvguard.policies import make_policy
+from pytest_kvguard.runner import Runner, run_check
+from pytest_kvguard.scenarios.base import Check
+from pytest_kvguard.scenarios.feeding import run_stream, run_streams
+from pytest_kvguard.scoring import perplexity
+from pytest_kvguard.texts import pydoc_topics
+
+SMOLLM2 = ModelRef("smollm2-135m")
+
+
+def fake_stream_check(name: str, sinks: int, **budgets: Any) -> Check[Any]:
+    entry = {"name": name, "engine": "fake", "model": "tiny.gguf", "policy": "sink",
+             "params": {"tokens": 64, "cap": 16, "sinks": sinks}}  # fmt: skip
+    return build_check(Written.plain(entry), Written(), base_dir=Path.cwd(),
+                       marker_budgets=Budgets(**budgets))  # fmt: skip
+
+
+def test_group_schedules_each_policy_as_it_runs_alone(fake_engine: None) -> None:
+    """Sink counts cut the fill to the cap differently; from the cap on, one call per token."""
+    from kvguard_fake_engine import FakeEngine, FakeStreamGroup
+
+    engine = FakeEngine()
+    ids = [i % 32 for i in range(64)]  # the toy's vocabulary
+    policies = [
+        make_policy("window", cap=16, positions="absolute"),
+        *(make_policy("sink", cap=16, sinks=s, positions="absolute") for s in (1, 4)),
+    ]
+    before = FakeStreamGroup.steps_together
+    grouped = run_streams(engine, policies, ids, lengths=(20, 40))  # type: ignore[arg-type]
+    assert FakeStreamGroup.steps_together - before == 64 - 16  # every token past the cap
+    for policy, together in zip(policies, grouped, strict=True):
+        alone = run_stream(engine, policy, ids, lengths=(20, 40))  # type: ignore[arg-type]
+        assert np.array_equal(together.nll, alone.nll)
+        assert (together.first_eviction, together.evicted, together.kv_entries) == (
+            alone.first_eviction, alone.evicted, alone.kv_entries)  # fmt: skip
+        assert together.samples == alone.samples
+
+
+def test_planned_runs_of_two_checks_decode_together(
+    fake_engine: None, tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvguard_fake_engine import FakeStreamGroup
+
+    monkeypatch.chdir(tiny_gguf.parent)
+    one, four, alone = (fake_stream_check("one", 1), fake_stream_check("four", 4),
+                        fake_stream_check("peak", 2, max_peak_memory_bytes="1 GiB"))  # fmt: skip
+    runner = Runner(EngineOptions())
+    runner.plan([one, four, alone])
+    FakeStreamGroup.opened.clear()
+    first = run_check(runner, one)
+    # The second check's candidate was decoded with the first's; a peak budget keeps its own.
+    assert FakeStreamGroup.opened == [[one.spec.policy, four.spec.policy]]
+    second = run_check(runner, four)
+    assert (first.seconds["candidate"] > 0, second.seconds["candidate"]) == (True, 0.0)
+    run_check(runner, alone)
+    assert len(FakeStreamGroup.opened) == 1
+    runner.close()
+
+
+@pytest.mark.engine
+def test_mlx_group_gives_each_policy_its_own_run(kvguard_runner: Runner) -> None:
+    engine = kvguard_runner.engine("mlx", SMOLLM2)
+    ids = kvguard_runner.token_ids("mlx", SMOLLM2, pydoc_topics(), 360)
+    policies = [
+        make_policy("window", cap=256, positions="absolute"),
+        *(make_policy("sink", cap=256, sinks=s, positions="absolute") for s in (1, 4, 8)),
+    ]
+    grouped = run_streams(engine, policies, ids, lengths=(300,))
+    for policy, together in zip(policies, grouped, strict=True):
+        alone = run_stream(engine, policy, ids, lengths=(300,))
+        assert together.policy == policy
+        assert (together.kv_entries, together.evicted, together.first_eviction) == (
+            alone.kv_entries, alone.evicted, alone.first_eviction)  # fmt: skip
+        assert together.layer_sizes == alone.layer_sizes
+        assert [(s.tokens, s.held, s.figures["kv_bytes"]) for s in together.samples] == [
+            (s.tokens, s.held, s.figures["kv_bytes"]) for s in alone.samples
+        ]
+        post = slice(alone.first_eviction, None)
+        assert perplexity(together.nll[post]) == pytest.approx(perplexity(alone.nll[post]),
+                                                               rel=1e-3)  # fmt: skip
+        # Batched matmuls round differently: measured here up to ~2e-5 nats on a token.
+        assert np.abs(together.nll - alone.nll).max() < 1e-3
+        # The group's peak memory is not one policy's: it is not reported for a row.
+        assert "peak_memory_bytes" not in together.engine_figures
+    # The sinks matter, so the rows really held different caches.
+    assert len({round(perplexity(run.nll[256:]), 6) for run in grouped}) == len(policies)
+
+
+@pytest.mark.engine
+def test_mlx_refuses_a_group_whose_caches_differ_in_size(kvguard_runner: Runner) -> None:
+    engine = kvguard_runner.engine("mlx", SMOLLM2)
+    mixed = [make_policy("sink", cap=256, sinks=4, positions="absolute"),
+             make_policy("sink", cap=128, sinks=4, positions="absolute")]  # fmt: skip
+    assert engine.group_key(mixed[0]) != engine.group_key(mixed[1])  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="cannot decode together"):
+        engine.open_stream_group(mixed, 300)  # type: ignore[attr-defined]
