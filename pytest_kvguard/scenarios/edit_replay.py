@@ -167,26 +167,16 @@ class ReplayRun:
         }
 
 
-@dataclass(frozen=True)
-class Prefilled:
-    """The first prompt as the engine held it after prefilling, saved for the next follow-up."""
-
-    saved: object
-    """What the engine's prefix cache ``save`` returned."""
-    seconds: float
-    """How long the prefill took when it was made."""
-
-
 def run_edit_replay(
     engine: Engine,
     policy: Policy,
     first_ids: Sequence[int],
     followup_ids: Sequence[int],
-    prefilled: Prefilled | None = None,
-) -> tuple[ReplayRun, Prefilled | None]:
-    """Prefill the first prompt into a fresh cache (or restore ``prefilled``, the engine's own
-    snapshot of that prefill), then replay the follow-up against it. Also returns the prefill
-    saved for the next follow-up, where the engine can save one."""
+    prefilled: object | None = None,
+) -> tuple[ReplayRun, object | None]:
+    """Prefill the first prompt into a fresh cache (or restore ``prefilled``, what the engine's
+    prefix cache ``save`` returned after that prefill), then replay the follow-up against it.
+    Also returns the saved prefill for the next follow-up, where the engine can save one."""
     cache = engine.open_prefix_cache(policy, max(len(first_ids), len(followup_ids)))
     try:
         if prefilled is None:
@@ -194,9 +184,9 @@ def run_edit_replay(
             cache.extend(first_ids, 0)
             seconds = time.perf_counter() - started
             save = getattr(cache, "save", None)
-            prefilled = None if save is None else Prefilled(save(), seconds)
+            prefilled = None if save is None else save()
         else:
-            cache.restore(prefilled.saved)  # type: ignore[attr-defined]
+            cache.restore(prefilled)  # type: ignore[attr-defined]
             seconds = 0.0  # reused: reported as 0 s, like any run reused from earlier
         memory = cache.memory_bytes()
         started = time.perf_counter()
