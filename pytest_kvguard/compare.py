@@ -1,9 +1,10 @@
-"""``kvguard-compare A.json B.json``: two JSON reports, figure by figure, for exact equality.
+"""``kvguard-compare A.json B.json``: two JSON reports, figure by figure.
 
 For proving that a change of kvguard itself moved nothing (same engines, same machine): every
 check's verdict, token count, every figure in ``metrics`` and every sample (KV bytes and entries
-at each length, the sweep's grid) must be equal, bit for bit. Reads schema 1 and 2 reports.
-Wall-clock figures (``seconds``, ``tokens_per_second``) are never compared.
+at each length, the sweep's grid) must be equal, bit for bit, or with ``--tolerance PCT`` within
+that relative change. The largest relative change is always printed. Reads schema 1 and 2
+reports. Wall-clock figures (``seconds``, ``tokens_per_second``) are never compared.
 """
 
 from __future__ import annotations
@@ -32,15 +33,28 @@ def figures(row: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def relative_change(a: Any, b: Any) -> float | None:
+    """|b - a| / |a| for two numbers (0 where both are 0); None for anything else."""
+    numbers = (int, float)
+    if not (isinstance(a, numbers) and isinstance(b, numbers)) or isinstance(a, bool):
+        return None
+    if a == b or (_nan(a) and _nan(b)):
+        return 0.0
+    return math.inf if a == 0 else abs(b - a) / abs(a)
+
+
 def differences(
-    before: Mapping[str, Any], after: Mapping[str, Any], ignore: Sequence[str] = ()
-) -> tuple[int, list[str]]:
-    """(figures compared, one line per difference) between two reports."""
+    before: Mapping[str, Any], after: Mapping[str, Any], ignore: Sequence[str] = (),
+    tolerance: float = 0.0,
+) -> tuple[int, list[str], tuple[float, str]]:  # fmt: skip
+    """(figures compared, one line per difference beyond ``tolerance`` (relative), the largest
+    relative change and where) between two reports."""
     old = {row["name"]: figures(row) for row in before["checks"]}
     new = {row["name"]: figures(row) for row in after["checks"]}
     lines = [f"{name}: only in the first report" for name in sorted(old.keys() - new.keys())]
     lines += [f"{name}: only in the second report" for name in sorted(new.keys() - old.keys())]
     compared = 0
+    largest = (0.0, "")
     for name in sorted(old.keys() & new.keys()):
         a, b = old[name], new[name]
         for key in sorted(a.keys() | b.keys()):
@@ -49,9 +63,14 @@ def differences(
             compared += 1
             if key not in a or key not in b:
                 lines.append(f"{name}: {key} only in the {'second' if key in b else 'first'}")
-            elif a[key] != b[key] and not (_nan(a[key]) and _nan(b[key])):
+                continue
+            change = relative_change(a[key], b[key])
+            if change is not None and change > largest[0]:
+                largest = (change, f"{name}: {key} {a[key]!r} -> {b[key]!r}")
+            same = change == 0.0 if change is not None else a[key] == b[key]
+            if not same and (change is None or change > tolerance):
                 lines.append(f"{name}: {key} {a[key]!r} -> {b[key]!r}")
-    return compared, lines
+    return compared, lines, largest
 
 
 def _nan(value: Any) -> bool:
@@ -66,6 +85,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--ignore", action="append", default=[], metavar="FIGURE",
         help="a figure not to compare, e.g. process_peak_rss_bytes (repeatable)",
     )  # fmt: skip
+    parser.add_argument(
+        "--tolerance", type=float, default=0.0, metavar="PCT",
+        help="relative change, in percent, below which numbers count as equal (default 0)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     try:
         before, after = (
@@ -74,10 +97,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, json.JSONDecodeError) as exc:
         print(f"kvguard-compare: {exc}", file=sys.stderr)
         return 2
-    compared, lines = differences(before, after, args.ignore)
+    compared, lines, (change, where) = differences(
+        before, after, args.ignore, args.tolerance / 100.0
+    )
     for line in lines:
         print(line)
     checks = len({r["name"] for r in before["checks"]} & {r["name"] for r in after["checks"]})
-    verdict = "identical" if not lines else f"{len(lines)} difference(s)"
+    within = f" beyond {args.tolerance:g}%" if args.tolerance else ""
+    verdict = "identical" if not lines else f"{len(lines)} difference(s){within}"
+    if change:
+        print(f"kvguard-compare: largest relative change {change * 100:.4g}%: {where}")
     print(f"kvguard-compare: {checks} checks, {compared} figures compared: {verdict}")
     return 1 if lines else 0

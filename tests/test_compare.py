@@ -48,3 +48,16 @@ def test_one_figure_moved_is_named(tmp_path: Path, capsys: pytest.CaptureFixture
     assert run(tmp_path, moved) == 1
     assert "a: metrics.post_eviction_ppl 12.1 -> 12.100001" in capsys.readouterr().out
     assert run(tmp_path, moved, "--ignore", "post_eviction_ppl") == 0
+
+
+def test_a_tolerance_passes_small_moves_and_names_the_largest(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    moved = new(metrics={"post_eviction_ppl": 12.112, "kv_bytes": 5902057.0})  # +0.099%
+    assert run(tmp_path, moved, "--tolerance", "0.1") == 0
+    out = capsys.readouterr().out
+    assert "largest relative change 0.09917%: a: metrics.post_eviction_ppl 12.1 -> 12.112" in out
+    assert run(tmp_path, moved, "--tolerance", "0.09") == 1  # limit - 1: a difference
+    assert "1 difference(s) beyond 0.09%" in capsys.readouterr().out
+    # Counts and bytes are numbers like any other: a tolerance covers them too; a verdict never.
+    assert run(tmp_path, new(verdict="FAIL"), "--tolerance", "50") == 1
