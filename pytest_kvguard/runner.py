@@ -7,6 +7,7 @@ judges its budgets into an ``Outcome``.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -17,11 +18,14 @@ from pytest_kvguard.models import ModelRef, file_sha256, read_arch
 from pytest_kvguard.outcome import Outcome
 from pytest_kvguard.policies import Policy
 from pytest_kvguard.scenarios import SCENARIOS
-from pytest_kvguard.scenarios.base import Check, PlannedRun
-from pytest_kvguard.scenarios.feeding import Progress, StreamRun, run_stream, run_streams
+from pytest_kvguard.scenarios.base import Check, LaterRequest, RunRequest, TextFeed
+from pytest_kvguard.scenarios.feeding import Progress, RunSpec, StreamRun, run_specs
 from pytest_kvguard.texts import Text
 
 T = TypeVar("T")
+
+MAX_GROUP_ROWS = 16
+"""The most runs decoded together in one group (llama.cpp sequences, mlx-lm batch rows)."""
 
 
 class Say(Protocol):
@@ -39,11 +43,14 @@ class Runner:
         self._engines: dict[tuple[str, Path], Engine] = {}
         self._tokens: dict[tuple[Path, str], list[int]] = {}
         self._memo: dict[tuple[Any, ...], Any] = {}
-        self._planned: dict[tuple[Any, ...], PlannedRun] = {}
+        self._planned: dict[tuple[Any, ...], RunRequest] = {}
+        self._later: list[tuple[LaterRequest, bool]] = []
+        """Planned requests still to be made, and whether a peak budget judges each."""
         self.on_group: Callable[[], None] | None = None
         """Called before policies of other checks are decoded together with the one asked for."""
-        self._alone: set[tuple[Any, ...]] = set()
-        """Runs a peak-memory budget judges: decoded alone, so the peak is the policy's own."""
+        self._own_figures: set[tuple[Any, ...]] = set()
+        """Runs judged on figures only a stream of its own measures (a peak-memory budget, the
+        memory scenario): decoded alone unless the engine's group rows report them too."""
 
     def say(self, line: str, detail: bool = False) -> None:
         self._say(line, detail)
@@ -81,42 +88,68 @@ class Runner:
         return cached[:count]
 
     def plan(self, checks: Sequence[Check[Any]]) -> None:
-        """Learn the scored stream runs the coming checks will ask for: when one of them is
-        computed, the planned runs it can decode together with are computed with it."""
+        """Learn the stream runs the coming checks will ask for: when one of them is computed,
+        the planned runs it can decode together with are computed with it."""
         for check in checks:
             try:
                 planned = SCENARIOS[check.scenario].planned_runs(check)
             except (KvguardError, OSError):
                 continue  # the check reports it when it runs
+            judged_on_peak = check.budgets.max_peak_memory_bytes is not None
             for run in planned:
-                key = self._stream_key(run.engine, run.model, run.policy, run.text, run.count)
-                self._planned[key] = run
-                if check.budgets.max_peak_memory_bytes is not None:
-                    self._alone.add(key)
+                if isinstance(run, LaterRequest):
+                    self._later.append((run, judged_on_peak))
+                else:
+                    self._add_planned(run, judged_on_peak)
+
+    def _add_planned(self, run: RunRequest, judged_on_peak: bool) -> None:
+        key = self._run_key(run)
+        self._planned[key] = run
+        if run.own_figures or judged_on_peak:
+            self._own_figures.add(key)
+
+    def _make_later(self, engine: str, model: ModelRef) -> None:
+        """Make the planned requests of this engine and model that needed its token ids."""
+        waiting = []
+        for later, judged_on_peak in self._later:
+            if (later.engine, later.model.resolve()) != (engine, model.resolve()):
+                waiting.append((later, judged_on_peak))
+                continue
+            with contextlib.suppress(KvguardError):  # the check reports it when it runs
+                self._add_planned(later.make(self), judged_on_peak)
+        self._later = waiting
 
     @staticmethod
-    def _stream_key(
-        engine: str, model: ModelRef, policy: Policy, text: Text, count: int,
-        lengths: tuple[int, ...] = (), score: bool = True,
-    ) -> tuple[Any, ...]:  # fmt: skip
-        return ("stream", engine, model.resolve(), text.sha256, count, policy, lengths, score)
+    def _run_key(request: RunRequest) -> tuple[Any, ...]:
+        return ("stream", request.engine, request.model.resolve(), request.feed.key,
+                request.policy, request.lengths, request.score_from)  # fmt: skip
 
-    def _companions(
-        self, engine: str, model: ModelRef, policy: Policy, text: Text, count: int
-    ) -> list[Policy]:
-        """Planned, not yet computed policies that can decode together with ``policy``."""
-        loaded = self.engine(engine, model)
+    def ids(self, request: RunRequest) -> list[int]:
+        """The token ids a request feeds, got once per session."""
+        key = ("ids", request.engine, request.model.resolve(), request.feed.key)
+        ids, _ = self.memo(key, lambda: request.feed.ids(self, request.engine, request.model))
+        return ids
+
+    def _companions(self, request: RunRequest, key: tuple[Any, ...]) -> list[RunRequest]:
+        """Planned, not yet computed runs that can decode together with ``request``."""
+        loaded = self.engine(request.engine, request.model)
         group_key = getattr(loaded, "group_key", None)
-        if group_key is None or group_key(policy) is None:
+        if group_key is None or group_key(request.policy) is None:
             return []
-        found = []
-        for key, run in self._planned.items():
-            same_ids = (run.engine, run.model.resolve(), run.text.sha256, run.count) == (
-                engine, model.resolve(), text.sha256, count)  # fmt: skip
-            free = key not in self._memo and key not in self._alone and run.policy not in found
-            if same_ids and free and run.policy != policy and group_key(run.policy) == group_key(
-                    policy):  # fmt: skip
-                found.append(run.policy)
+        rows_keep_figures = bool(getattr(loaded, "group_figures_own", False))
+        if key in self._own_figures and not rows_keep_figures:
+            return []
+        self._make_later(request.engine, request.model)
+        found: list[RunRequest] = []
+        for other_key, run in self._planned.items():
+            if len(found) == MAX_GROUP_ROWS - 1:
+                break
+            free = other_key != key and other_key not in self._memo and (
+                rows_keep_figures or other_key not in self._own_figures)  # fmt: skip
+            same_model = (run.engine, run.model.resolve()) == (request.engine,
+                                                               request.model.resolve())  # fmt: skip
+            if free and same_model and group_key(run.policy) == group_key(request.policy):
+                found.append(run)
         return found
 
     def stream_run(
@@ -132,8 +165,15 @@ class Runner:
     ) -> tuple[StreamRun, bool]:
         """The run, and whether it was computed now (False: reused from this session)."""
         check_policy(engine, policy, "stream" if score else "memory")  # direct callers too
-        key = self._stream_key(engine, model, policy, text, count, lengths, score)
-        label = f"{engine} {model.name} {policy.describe()}"
+        request = RunRequest(engine, model, policy, TextFeed(text, count), tuple(lengths),
+                             0 if score else None)  # fmt: skip
+        return self.run(request)
+
+    def run(self, request: RunRequest) -> tuple[StreamRun, bool]:
+        """The run a request names, and whether it was computed now. Planned runs it can
+        decode together with are computed with it (``run_specs``) and kept for their checks."""
+        key = self._run_key(request)
+        engine, model = request.engine, request.model
 
         def progress_of(label: str) -> Progress:
             def progress(done: int, total: int) -> None:
@@ -142,24 +182,27 @@ class Runner:
 
             return progress
 
+        def spec_of(run: RunRequest) -> RunSpec:
+            return RunSpec(run.policy, self.ids(run), run.lengths, run.score_from)
+
         def compute() -> StreamRun:
-            ids = self.token_ids(engine, model, text, count)
             loaded = self.engine(engine, model)
-            grouped = score and not lengths and key not in self._alone
-            companions = self._companions(engine, model, policy, text, count) if grouped else []
+            label = f"{engine} {model.name} {request.policy.describe()}"
+            companions = self._companions(request, key)
             if not companions:
-                run = run_stream(loaded, policy, ids, progress_of(label), lengths, score)
+                run = run_specs(loaded, [spec_of(request)], progress_of(label))[0]
                 self.say(f"{label}: done in {run.seconds:.1f} s "
                          f"({run.tokens_per_second:.0f} tokens/s)")  # fmt: skip
                 return run
             if self.on_group is not None:
                 self.on_group()
-            policies = [policy, *companions]
-            names = ", ".join(p.describe() for p in policies)
-            runs = run_streams(loaded, policies, ids, progress_of(f"{engine} {model.name} {names}"))
+            together = [request, *companions]
+            names = ", ".join(r.policy.describe() for r in together)
+            label = f"{engine} {model.name}: {len(together)} runs"
+            runs = run_specs(loaded, [spec_of(r) for r in together], progress_of(label))
             for other, other_run in zip(companions, runs[1:], strict=True):
-                self._memo[self._stream_key(engine, model, other, text, count)] = other_run
-            self.say(f"{engine} {model.name}: {names} decoded together in {runs[0].seconds:.1f} s")
+                self._memo[self._run_key(other)] = other_run
+            self.say(f"{label} ({names}) decoded together in {runs[0].seconds:.1f} s")
             return runs[0]
 
         return self.memo(key, compute)

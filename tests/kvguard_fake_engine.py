@@ -153,11 +153,12 @@ class FakeStreamGroup:
     def __init__(self, streams: list[FakeStream]) -> None:
         self.streams = streams
 
-    def feed_one(self, token_id: int) -> np.ndarray:
-        if len({s.held for s in self.streams}) != 1:
+    def feed_rows(self, rows: Sequence[int], token_ids: Sequence[int]) -> np.ndarray:
+        chosen = [self.streams[row] for row in rows]
+        if len({s.held for s in chosen}) != 1 or len({s.fed for s in chosen}) != 1:
             raise AssertionError("rows of different sizes were fed together")
         FakeStreamGroup.steps_together += 1
-        return np.concatenate([s.feed([token_id]) for s in self.streams])
+        return np.concatenate([s.feed([t]) for s, t in zip(chosen, token_ids, strict=True)])
 
     def close(self) -> None:
         pass

@@ -19,7 +19,7 @@ from pytest_kvguard.models import ModelRef
 from pytest_kvguard.policies import make_policy
 from pytest_kvguard.runner import Runner, run_check
 from pytest_kvguard.scenarios.base import Check
-from pytest_kvguard.scenarios.feeding import run_stream, run_streams
+from pytest_kvguard.scenarios.feeding import RunSpec, StreamRun, run_specs, run_stream, run_streams
 from pytest_kvguard.scoring import perplexity
 from pytest_kvguard.texts import pydoc_topics
 
@@ -112,3 +112,109 @@ def test_mlx_refuses_a_group_whose_caches_differ_in_size(kvguard_runner: Runner)
     assert engine.group_key(mixed[0]) != engine.group_key(mixed[1])  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="cannot decode together"):
         engine.open_stream_group(mixed, 300)  # type: ignore[attr-defined]
+
+
+def assert_same_run(together: StreamRun, alone: StreamRun, *, figures: bool = True) -> None:
+    """A grouped run against the same pass alone: counts and (optionally) every engine figure
+    equal, scores within the issue's tolerance (0.1% perplexity; per token, 1e-3 nats)."""
+    assert together.policy == alone.policy
+    assert (together.kv_entries, together.evicted, together.first_eviction) == (
+        alone.kv_entries, alone.evicted, alone.first_eviction)  # fmt: skip
+    assert together.layer_sizes == alone.layer_sizes
+    assert [(s.tokens, s.held) for s in together.samples] == [
+        (s.tokens, s.held) for s in alone.samples
+    ]
+    if figures:
+        # Every figure but the process-wide peak RSS, which depends on what ran before.
+        def own(figures: dict[str, float]) -> dict[str, float]:
+            return {k: v for k, v in figures.items() if k != "process_peak_rss_bytes"}
+
+        assert [own(s.figures) for s in together.samples] == [own(s.figures) for s in alone.samples]
+    scored = ~np.isnan(alone.nll)
+    assert np.array_equal(scored, ~np.isnan(together.nll))
+    if scored.any():
+        assert np.abs(together.nll - alone.nll)[scored].max() < 1e-3
+        post = slice(alone.first_eviction or 0, None)
+        assert perplexity(together.nll[post][scored[post]]) == pytest.approx(
+            perplexity(alone.nll[post][scored[post]]), rel=1e-3)  # fmt: skip
+
+
+def mixed_specs(ids: list[int], positions: tuple[str, ...]) -> list[RunSpec]:
+    """Rows that differ in every way a group allows: sinks, positions, length, token ids,
+    scored or not, scored only from some index on, sampled at their own lengths."""
+    specs = [
+        RunSpec(make_policy("window", cap=256, positions=mode), ids, (300,)) for mode in positions
+    ]
+    specs += [
+        RunSpec(make_policy("sink", cap=256, sinks=4, positions=positions[0]), ids[:330],
+                (256, 300), None),  # a memory run: shorter, unscored
+        # Ids of its own (as a recall prompt has), scored over its last 10 tokens only.
+        RunSpec(make_policy("sink", cap=256, sinks=8, positions=positions[-1]), ids[40:],
+                (270,), score_from=len(ids) - 50),
+    ]  # fmt: skip
+    return specs
+
+
+@pytest.mark.engine
+def test_llama_cpp_group_gives_each_run_its_own_figures(kvguard_runner: Runner) -> None:
+    """Sequences of one context, each evicted with its own seq_rm / seq_add: every row's
+    scores, counts and memory figures (kv_bytes, buffers, peak) are those of the same run in a
+    context of its own. Measured here: the scores are bit-identical."""
+    engine = kvguard_runner.engine("llama_cpp", SMOLLM2)
+    ids = kvguard_runner.token_ids("llama_cpp", SMOLLM2, pydoc_topics(), 360)
+    specs = mixed_specs(ids, ("reindexed", "absolute"))
+    grouped = run_specs(engine, specs)
+    for spec, together in zip(specs, grouped, strict=True):
+        assert_same_run(together, run_specs(engine, [spec])[0])
+    # Position handling matters past the cap, so the rows really held different caches.
+    assert not np.array_equal(grouped[0].nll[256:], grouped[1].nll[256:])
+
+
+@pytest.mark.engine
+def test_mlx_group_rows_may_differ_in_ids_length_and_scoring(kvguard_runner: Runner) -> None:
+    engine = kvguard_runner.engine("mlx", SMOLLM2)
+    ids = kvguard_runner.token_ids("mlx", SMOLLM2, pydoc_topics(), 320)
+    specs = mixed_specs(ids, ("absolute",))
+    grouped = run_specs(engine, specs)
+    for spec, together in zip(specs, grouped, strict=True):
+        # mlx's memory counters are the group's: a row reports its own cache's figures only.
+        assert_same_run(together, run_specs(engine, [spec])[0], figures=False)
+        assert "peak_memory_bytes" not in together.engine_figures
+
+
+def fake_check(name: str, **entry: Any) -> Check[Any]:
+    """A check on the toy engine, built as the budgets file builds it."""
+    base = {"name": name, "engine": "fake", "model": "tiny.gguf"}
+    return build_check(Written.plain({**base, **entry}), Written(), base_dir=Path.cwd())
+
+
+def test_recall_and_memory_runs_join_a_group_with_what_they_share(
+    fake_engine: None, tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A recall prompt (ids of its own, known once the engine tokenized it) decodes with a
+    stream run of the same cap; a memory run, judged on its own peak, stays alone on an engine
+    whose group rows do not report one. Each outcome equals the same check run unplanned."""
+    from kvguard_fake_engine import FakeStreamGroup
+
+    monkeypatch.chdir(tiny_gguf.parent)
+    small = {"cap": 16, "sinks": 4}
+    checks = [
+        fake_check("stream", policy="sink", params={"tokens": 64, **small},
+                   budgets={"max_ppl_increase_pct": 50}),
+        fake_check("recall", scenario="recall", policy="sink",
+                   params={"filler_tokens": 40, **small}, budgets={"must_forget": True}),
+        fake_check("memory", scenario="memory", policy="sink",
+                   params={"lengths": [16, 32, 48], **small}, budgets={"bounded": True}),
+    ]  # fmt: skip
+    planned = Runner(EngineOptions())
+    planned.plan(checks)
+    FakeStreamGroup.opened.clear()
+    outcomes = [run_check(planned, check) for check in checks]
+    sink4 = checks[0].spec.policy
+    assert FakeStreamGroup.opened == [[sink4, sink4]]  # the stream's and the recall's rows
+    alone = Runner(EngineOptions())
+    for check, together in zip(checks, outcomes, strict=True):
+        assert run_check(alone, check).metrics == together.metrics, check.name
+    assert len(FakeStreamGroup.opened) == 1
+    planned.close()
+    alone.close()

@@ -59,18 +59,20 @@ class Stream(Protocol):
 
 
 class StreamGroup(Protocol):
-    """Several streams of one engine and model, one policy each, that can decode the same next
-    token in one engine call: the weights are read once for all of them (``Engine.
-    open_stream_group``). Each row keeps its own real cache; figures stay per row."""
+    """Several streams of one engine and model, one policy each, that can decode one more token
+    each in one engine call: the weights are read once for all of them (``Engine.
+    open_stream_group``). Each row keeps its own real cache, and may be fed its own token ids;
+    figures stay per row."""
 
     @property
     def streams(self) -> Sequence[Stream]:
         """One stream per policy, in order; each can also be fed alone."""
         ...
 
-    def feed_one(self, token_id: int) -> np.ndarray:
-        """Decode ``token_id`` on every row at once (every row's cache full, same length):
-        the logits, one row per stream (len(streams), vocab) float32."""
+    def feed_rows(self, rows: Sequence[int], token_ids: Sequence[int]) -> np.ndarray:
+        """Decode ``token_ids[k]`` on row ``rows[k]`` (index into ``streams``), every one in a
+        single engine call (each such row's cache full, all of one length): the logits, one row
+        per token (len(rows), vocab) float32."""
         ...
 
     def close(self) -> None: ...
@@ -107,7 +109,9 @@ class Engine(Protocol):
 
     An adapter may also offer ``group_key(policy) -> Hashable | None`` and
     ``open_stream_group(policies, max_tokens) -> StreamGroup``: policies with the same non-None
-    key then decode together (see ``scenarios.feeding.run_streams``).
+    key then decode together (see ``scenarios.feeding.run_specs``). Its ``group_figures_own``
+    (default False) says whether a row of a group still reports every figure a stream of its
+    own would, peak memory included; where it does not, a run judged by its peak runs alone.
     """
 
     name: str

@@ -24,7 +24,10 @@ from pytest_kvguard.errors import EngineError, KvguardError
 from pytest_kvguard.policies import Policy
 
 SEQ = 0
-"""Every stream runs as sequence 0 of its own context."""
+"""A stream or prefix cache of its own runs as sequence 0 of its own context."""
+
+UBATCH = 512
+"""Tokens per llama_decode call (n_batch and n_ubatch of every context)."""
 
 
 def load(model_path: Path, options: EngineOptions) -> LlamaCppEngine:
@@ -125,6 +128,8 @@ class LlamaCppEngine:
         self.options = options
         self.vocab = lc.llama_model_get_vocab(model)
         self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
+        self._solo: dict[int, _SoloFacts] = {}
+        self._headers: dict[tuple[int, int, int], int] = {}
 
     def version(self) -> str:
         return str(lc.__version__)
@@ -149,6 +154,66 @@ class LlamaCppEngine:
     def open_prefix_cache(self, policy: Policy, max_tokens: int) -> LlamaCppPrefixCache:
         return LlamaCppPrefixCache(self, policy, max_tokens)
 
+    group_figures_own = True
+    """A row of a stream group reports what a context of its own would (``memory_figures``)."""
+
+    def group_key(self, policy: Policy) -> tuple[str, int] | None:
+        """Policies with the same key decode together as sequences of one context
+        (``open_stream_group``): capped sink and window policies that evict one token before
+        each token they decode, so every row takes the same step once full. Not on models with
+        sliding-window layers (a sequence's state leaves out the iSWA cells its kv_bytes must
+        count), nor re-indexed on a cache that cannot shift."""
+        if policy.kind not in ("sink", "window") or policy.cap is None:
+            return None
+        if policy.chunk != 1 or policy.evict_step != 1 or lc.llama_model_n_swa(self.model) > 0:
+            return None
+        if policy.positions == "reindexed" and not self.solo_facts(policy.cap).can_shift:
+            return None
+        return ("sequences", policy.cap)
+
+    def open_stream_group(self, policies: Sequence[Policy], max_tokens: int) -> LlamaCppStreamGroup:
+        keys = {self.group_key(p) for p in policies}
+        if None in keys or len(keys) != 1:
+            raise ValueError(f"these policies cannot decode together: {policies}")
+        return LlamaCppStreamGroup(self, policies, max_tokens)
+
+    def solo_facts(self, n_ctx: int) -> _SoloFacts:
+        """What a context of its own with ``n_ctx`` cells (a stream's) allocates, measured once
+        per size on a context made for the purpose: what a row of a stream group, which shares
+        another context, reports instead."""
+        if n_ctx not in self._solo:
+            alone = _Context(self, n_ctx)
+            try:
+                self._solo[n_ctx] = _SoloFacts(
+                    can_shift=bool(lc.llama_memory_can_shift(alone.memory)),
+                    kv_buffer_bytes=alone.kv_buffer_bytes,
+                    compute_buffer_bytes=alone.compute_buffer_bytes,
+                )
+            finally:
+                alone.close()
+        return self._solo[n_ctx]
+
+    def state_header_bytes(self, n_ctx: int, group_n_ctx: int, n_seq: int) -> int:
+        """What a context of its own with ``n_ctx`` cells writes in ``llama_state_get_size``
+        beyond one of ``n_seq`` sequences of a group's context of ``group_n_ctx`` cells, holding
+        the same cells, writes in ``llama_state_seq_get_size``: header fields only (in
+        llama-cpp-python 0.3.36, -3 bytes with 2 sequences, 4 bytes less per sequence more,
+        the same at 1, 5 and 100 cells). Measured once on one decoded token."""
+        key = (n_ctx, group_n_ctx, n_seq)
+        if key not in self._headers:
+            alone, group = _Context(self, n_ctx), _Context(self, group_n_ctx, n_seq=n_seq)
+            try:
+                token = max(0, int(lc.llama_vocab_bos(self.vocab)))
+                alone.decode([token], [0], [SEQ], all_logits=False)
+                group.decode([token], [0], [SEQ], all_logits=False)
+                self._headers[key] = int(lc.llama_state_get_size(alone.ctx)) - int(
+                    lc.llama_state_seq_get_size(group.ctx, SEQ)
+                )
+            finally:
+                alone.close()
+                group.close()
+        return self._headers[key]
+
     def converse(
         self, policy: Policy, token_ids: Sequence[int], turns: Sequence[Turn], prefill_step: int
     ) -> np.ndarray:
@@ -172,17 +237,33 @@ class LlamaCppEngine:
             self.model = None
 
 
-class _Sequence:
-    """Sequence 0 of a fresh llama.cpp context of its own, and a reusable batch."""
+@dataclass(frozen=True)
+class _SoloFacts:
+    """A stream's context of its own, as measured on one made for the purpose."""
 
-    UBATCH = 512
+    can_shift: bool
+    """Whether its cache can shift positions (re-indexing)."""
+    kv_buffer_bytes: float
+    compute_buffer_bytes: float
 
-    def __init__(self, engine: LlamaCppEngine, n_ctx: int, swa_full: bool = False) -> None:
+
+class _Context:
+    """A llama.cpp context and a reusable batch: one sequence (a stream or prefix cache of its
+    own), or ``n_seq`` sequences that each hold their own cells (a stream group)."""
+
+    def __init__(
+        self, engine: LlamaCppEngine, n_ctx: int, swa_full: bool = False, n_seq: int = 1
+    ) -> None:
+        self.n_ctx, self.n_seq = n_ctx, n_seq
         params = lc.llama_context_default_params()
         params.n_ctx = n_ctx  # llama.cpp pads the cell count to a multiple of 256
-        params.n_batch = self.UBATCH
-        params.n_ubatch = self.UBATCH
-        params.n_seq_max = 1
+        params.n_batch = UBATCH
+        params.n_ubatch = UBATCH
+        params.n_seq_max = n_seq
+        if n_seq > 1:
+            # Each sequence gets n_ctx / n_seq cells of its own and attends to those only, as
+            # in a context of its own (kv_unified would make every row attend over all cells).
+            params.kv_unified = False
         params.n_threads = engine.options.n_threads
         params.n_threads_batch = engine.options.n_threads
         params.swa_full = swa_full
@@ -193,45 +274,33 @@ class _Sequence:
         self.kv_buffer_bytes, self.compute_buffer_bytes = buffers["KV"], buffers["compute"]
         if not ctx:
             raise EngineError(f"llama.cpp could not create a context: {log_excerpt()}")
-        self.engine = engine
         self.ctx = ctx
         self.memory = lc.llama_get_memory(ctx)
-        self.batch = lc.llama_batch_init(self.UBATCH, 0, 1)
+        self.batch = lc.llama_batch_init(UBATCH, 0, 1)
 
-    def _decode(self, token_ids: Sequence[int], first_pos: int, all_logits: bool) -> None:
-        """One llama_decode of up to UBATCH tokens at consecutive positions."""
+    def decode(
+        self, token_ids: Sequence[int], positions: Sequence[int], seqs: Sequence[int],
+        all_logits: bool,
+    ) -> None:  # fmt: skip
+        """One llama_decode of up to UBATCH tokens, token i at positions[i] of sequence seqs[i]."""
         batch = self.batch
         batch.n_tokens = len(token_ids)
         for i, token in enumerate(token_ids):
             batch.token[i] = token
-            batch.pos[i] = first_pos + i
+            batch.pos[i] = positions[i]
             batch.n_seq_id[i] = 1
-            batch.seq_id[i][0] = SEQ
+            batch.seq_id[i][0] = seqs[i]
             batch.logits[i] = 1 if all_logits or i == len(token_ids) - 1 else 0
         status = lc.llama_decode(self.ctx, batch)
         if status != 0:
             raise EngineError(f"llama_decode returned {status}: {log_excerpt()}")
 
-    def memory_figures(self) -> dict[str, float]:
-        """What the cache holds now and what llama.cpp allocated, in bytes.
-
-        kv_bytes is the whole context's state (one sequence per context): K and V of every cell
-        in use, plus a header of about 15 bytes per cell. ``llama_state_seq_get_size`` would
-        skip sliding-layer cells outside the window that an iSWA cache still holds.
-        """
-        engine = self.engine
-        return {
-            "kv_bytes": float(lc.llama_state_get_size(self.ctx)),
-            "kv_buffer_bytes": self.kv_buffer_bytes,
-            "compute_buffer_bytes": self.compute_buffer_bytes,
-            "peak_memory_bytes": engine.model_buffer_bytes
-            + self.kv_buffer_bytes
-            + self.compute_buffer_bytes,
-            # Process-wide and cumulative: the largest resident set so far in this session.
-            "process_peak_rss_bytes": float(
-                resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-            ),
-        }
+    def logits(self, rows: int, n_vocab: int) -> np.ndarray:
+        """A copy of the last decode's logits, ``rows`` of them."""
+        out: np.ndarray[Any, np.dtype[np.float32]] = np.ctypeslib.as_array(
+            lc.llama_get_logits(self.ctx), shape=(rows, n_vocab)
+        )
+        return out.copy()
 
     def close(self) -> None:
         if getattr(self, "batch", None) is not None:
@@ -242,16 +311,90 @@ class _Sequence:
             self.ctx = None
 
 
+class _Sequence:
+    """One sequence of a llama.cpp context: sequence 0 of a context of its own, or sequence
+    ``seq`` of a group's shared context (which the group owns and frees)."""
+
+    UBATCH = UBATCH
+
+    def __init__(
+        self, engine: LlamaCppEngine, n_ctx: int, swa_full: bool = False,
+        shared: _Context | None = None, seq: int = SEQ,
+    ) -> None:  # fmt: skip
+        self.engine = engine
+        self.seq = seq
+        self.solo_n_ctx = n_ctx
+        """The cells asked for a context of its own (what a row of a group reports as)."""
+        self.own_context: _Context | None = None if shared else _Context(engine, n_ctx, swa_full)
+        context = shared or self.own_context
+        assert context is not None
+        self.context = context
+        self.ctx = context.ctx
+        self.memory = context.memory
+        self.kv_buffer_bytes = context.kv_buffer_bytes
+        self.compute_buffer_bytes = context.compute_buffer_bytes
+
+    def _decode(self, token_ids: Sequence[int], first_pos: int, all_logits: bool) -> None:
+        """One llama_decode of up to UBATCH tokens at consecutive positions of this sequence."""
+        n = len(token_ids)
+        self.context.decode(token_ids, range(first_pos, first_pos + n), [self.seq] * n, all_logits)
+
+    def memory_figures(self) -> dict[str, float]:
+        """What the cache holds now and what llama.cpp allocated, in bytes.
+
+        kv_bytes is the whole context's state (one sequence per context): K and V of every cell
+        in use, plus a header of about 15 bytes per cell. ``llama_state_seq_get_size`` would
+        skip sliding-layer cells outside the window that an iSWA cache still holds.
+
+        A sequence of a group's shared context reports what a context of its own would: its
+        sequence's state plus the header such a context writes (groups hold no iSWA cache, so
+        the sequence's state is all its cells), and the buffers such a context allocates, as
+        measured on one made for the purpose (``LlamaCppEngine.solo_facts``).
+        """
+        engine = self.engine
+        if self.own_context is None:
+            solo = engine.solo_facts(self.solo_n_ctx)
+            header = engine.state_header_bytes(
+                self.solo_n_ctx, self.context.n_ctx, self.context.n_seq
+            )
+            kv_bytes = float(lc.llama_state_seq_get_size(self.ctx, self.seq) + header)
+            kv_buffer, compute_buffer = solo.kv_buffer_bytes, solo.compute_buffer_bytes
+        else:
+            kv_bytes = float(lc.llama_state_get_size(self.ctx))
+            kv_buffer, compute_buffer = self.kv_buffer_bytes, self.compute_buffer_bytes
+        return {
+            "kv_bytes": kv_bytes,
+            "kv_buffer_bytes": kv_buffer,
+            "compute_buffer_bytes": compute_buffer,
+            "peak_memory_bytes": engine.model_buffer_bytes + kv_buffer + compute_buffer,
+            # Process-wide and cumulative: the largest resident set so far in this session.
+            "process_peak_rss_bytes": float(
+                resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            ),
+        }
+
+    def close(self) -> None:
+        if getattr(self, "own_context", None) is not None:
+            self.own_context.close()  # type: ignore[union-attr]
+            self.own_context = None
+        self.ctx = None
+
+
 class LlamaCppStream(_Sequence):
     """A stream under a policy applied by seq_rm (eviction) and seq_add (re-indexing)."""
 
-    def __init__(self, engine: LlamaCppEngine, policy: Policy, max_tokens: int) -> None:
+    def __init__(
+        self, engine: LlamaCppEngine, policy: Policy, max_tokens: int,
+        shared: _Context | None = None, seq: int = SEQ,
+    ) -> None:  # fmt: skip
         # A capped policy never holds more than `cap`; swa and swa_full leave the sliding
         # layers to llama.cpp's own cache (iSWA, or full-size with swa_full).
         super().__init__(
             engine,
             policy.cap if policy.cap is not None else max_tokens,
             swa_full=policy.kind == "swa_full",
+            shared=shared,
+            seq=seq,
         )
         self.policy = policy
         if (
@@ -283,12 +426,12 @@ class LlamaCppStream(_Sequence):
     def _evict(self, count: int) -> None:
         """Drop the `count` oldest unpinned tokens, as a decoder under this policy would."""
         first = self._oldest_unpinned
-        if not lc.llama_memory_seq_rm(self.memory, SEQ, first, first + count):
+        if not lc.llama_memory_seq_rm(self.memory, self.seq, first, first + count):
             raise EngineError(
                 f"llama_memory_seq_rm refused to remove positions {first}..{first + count}"
             )
         if self.policy.positions == "reindexed":
-            lc.llama_memory_seq_add(self.memory, SEQ, first + count, -1, -count)
+            lc.llama_memory_seq_add(self.memory, self.seq, first + count, -1, -count)
             self._next_pos -= count
         else:
             self._oldest_unpinned += count
@@ -298,8 +441,8 @@ class LlamaCppStream(_Sequence):
 
     def _check_positions(self) -> None:
         # The engine's own view must agree with ours; a silent no-op eviction would not.
-        pos_max = lc.llama_memory_seq_pos_max(self.memory, SEQ)
-        pos_min = lc.llama_memory_seq_pos_min(self.memory, SEQ)
+        pos_max = lc.llama_memory_seq_pos_max(self.memory, self.seq)
+        pos_min = lc.llama_memory_seq_pos_min(self.memory, self.seq)
         expect_min = 0 if self.policy.sinks else self._oldest_unpinned
         if self.policy.positions == "reindexed":
             expect_min = 0
@@ -316,34 +459,88 @@ class LlamaCppStream(_Sequence):
                 f"{expect_min}..{expect_max}: {cause}"
             )
 
+    def make_room(self, n: int) -> None:
+        """Evict as the policy says until ``n`` more tokens fit under the cap."""
+        cap = self.policy.cap
+        if cap is None:
+            return
+        if n > cap - self.policy.sinks:
+            raise ValueError(f"a batch of {n} cannot fit beside {self.policy.sinks} sinks in {cap}")
+        while self._held + n > cap:
+            self._evict(self.policy.evict_step)
+
+    @property
+    def next_pos(self) -> int:
+        """The position the next token is written at."""
+        return self._next_pos
+
+    def took(self, n: int) -> None:
+        """Account for ``n`` tokens just decoded at the next positions."""
+        self._next_pos += n
+        self._held += n
+
     def feed(self, token_ids: Sequence[int], logits: bool = True) -> np.ndarray:
         n = len(token_ids)
         if not 0 < n <= self.UBATCH:
             raise ValueError(f"feed 1..{self.UBATCH} tokens at a time, got {n}")
-        cap = self.policy.cap
-        if cap is not None:
-            if n > cap - self.policy.sinks:
-                raise ValueError(
-                    f"a batch of {n} cannot fit beside {self.policy.sinks} sinks in {cap}"
-                )
-            while self._held + n > cap:
-                self._evict(self.policy.evict_step)
+        self.make_room(n)
         self._decode(token_ids, self._next_pos, all_logits=logits)
-        self._next_pos += n
-        self._held += n
+        self.took(n)
         if not logits:
             return np.empty((0, self.engine.n_vocab), dtype=np.float32)
-        logits_ptr = lc.llama_get_logits(self.ctx)
-        rows: np.ndarray[Any, np.dtype[np.float32]] = np.ctypeslib.as_array(
-            logits_ptr, shape=(n, self.engine.n_vocab)
-        )
-        return rows.copy()
+        return self.context.logits(n, self.engine.n_vocab)
 
     def figures(self) -> dict[str, float]:
         return self.memory_figures()
 
     def layer_sizes(self) -> list[tuple[int, int]]:
         return []  # llama.cpp holds the same cells in every layer of a non-SWA cache
+
+
+class LlamaCppStreamGroup:
+    """Streams that are sequences of one shared context, one policy each, each sequence with
+    cells of its own (``kv_unified`` off) and its own token ids. Each is evicted with its own
+    seq_rm / seq_add; a decode step sends one token per sequence in one llama_decode, so the
+    weights are read once for all of them (tests/test_batched_runs.py compares every row with
+    the same stream alone)."""
+
+    def __init__(self, engine: LlamaCppEngine, policies: Sequence[Policy], max_tokens: int) -> None:
+        cells = max(_padded(p.cap or max_tokens) for p in policies)
+        self.engine = engine
+        self.context = _Context(engine, cells * len(policies), n_seq=len(policies))
+        self.streams: list[LlamaCppStream] = []
+        try:
+            for seq, policy in enumerate(policies):
+                self.streams.append(
+                    LlamaCppStream(engine, policy, max_tokens, shared=self.context, seq=seq)
+                )
+        except BaseException:
+            self.context.close()
+            raise
+
+    def feed_rows(self, rows: Sequence[int], token_ids: Sequence[int]) -> np.ndarray:
+        chosen = [self.streams[row] for row in rows]
+        for stream in chosen:
+            stream.make_room(1)
+        self.context.decode(
+            token_ids,
+            [stream.next_pos for stream in chosen],
+            [stream.seq for stream in chosen],
+            all_logits=True,
+        )
+        for stream in chosen:
+            stream.took(1)
+        return self.context.logits(len(chosen), self.engine.n_vocab)
+
+    def close(self) -> None:
+        for stream in self.streams:
+            stream.close()
+        self.context.close()
+
+
+def _padded(cells: int) -> int:
+    """llama.cpp's own rounding of a context's cell count (a multiple of 256)."""
+    return -(-cells // 256) * 256
 
 
 @dataclass(frozen=True)

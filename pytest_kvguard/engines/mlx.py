@@ -170,6 +170,14 @@ def _float_dtype(model: Any) -> Any:
     return mx.float32
 
 
+def eval_caches(caches: Sequence[Any]) -> None:
+    """Compute what the model's last call wrote into its caches, and nothing else: the graph
+    for the logits (the final norm and the vocabulary projection, Gemma 3's 262,144 rows) is
+    dropped unevaluated. mlx-lm's own prompt prefill does the same (``mx.eval([c.state for c in
+    prompt_cache])`` in generate_step); the cached keys and values are the same either way."""
+    mx.eval([c.state for c in caches])
+
+
 def cache_size(cache: Any) -> int:
     """KV entries one layer's cache holds. ``size()`` arrived in mlx-lm 0.30.4; before it, a
     ``KVCache`` held its offset and a ``RotatingKVCache`` at most ``max_size`` of it."""
@@ -272,7 +280,9 @@ class MlxStream:
         try:
             rows = self.model(mx.array(list(token_ids))[None], cache=self.cache)
             if not logits:
-                mx.eval(rows)  # the cache is filled lazily; evaluate without copying out
+                # The logits are computed all the same (and not copied out): the peak of a
+                # memory run counts them, as a prefill that ends in logits does.
+                mx.eval(rows)
                 return np.empty((0, rows.shape[-1]), dtype=np.float32)
             out = np.array(rows[0].astype(mx.float32))
         except (RuntimeError, ValueError) as exc:
@@ -316,7 +326,7 @@ class _RowStack:
 
     @property
     def offset(self) -> int:
-        return int(self.rows[0].offset)  # rows are fed the same tokens: one position for all
+        return int(self.rows[0].offset)  # rows have been fed as many tokens: one position
 
     def make_mask(self, *args: Any, **kwargs: Any) -> Any:
         return self.rows[0].make_mask(*args, **kwargs)
@@ -338,13 +348,14 @@ class MlxStreamGroup:
         self.model = engine.model
         self.streams: list[MlxStream] = [MlxStream(engine, p, grouped=True) for p in policies]
 
-    def feed_one(self, token_id: int) -> np.ndarray:
-        per_layer = zip(*(stream.cache for stream in self.streams), strict=True)
-        layers = [_RowStack(list(row)) for row in per_layer]
-        batch = mx.array([[token_id]] * len(self.streams))
+    def feed_rows(self, rows: Sequence[int], token_ids: Sequence[int]) -> np.ndarray:
+        chosen = [self.streams[row] for row in rows]
+        per_layer = zip(*(stream.cache for stream in chosen), strict=True)
+        layers = [_RowStack(list(row_caches)) for row_caches in per_layer]
+        batch = mx.array([[token] for token in token_ids])
         try:
-            rows = self.model(batch, cache=layers)
-            return np.array(rows[:, -1].astype(mx.float32))
+            logits = self.model(batch, cache=layers)
+            return np.array(logits[:, -1].astype(mx.float32))
         except (RuntimeError, ValueError) as exc:
             raise EngineError(f"mlx-lm batched forward pass failed: {exc}") from None
 
@@ -371,7 +382,8 @@ class MlxPrefixCache:
     def extend(self, token_ids: Sequence[int], start: int) -> None:
         for offset in range(0, len(token_ids), self.CHUNK):
             chunk = mx.array(list(token_ids[offset : offset + self.CHUNK]))[None]
-            mx.eval(self.engine.model(chunk, cache=self.cache))
+            self.engine.model(chunk, cache=self.cache)
+            eval_caches(self.cache)
         self.n_tokens = start + len(token_ids)
 
     def keep_prefix(self, keep: int) -> tuple[int, int | None]:

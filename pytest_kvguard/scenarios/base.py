@@ -244,15 +244,63 @@ class Check(Generic[SpecT]):
         return self.engines[0]
 
 
+class Feed(Protocol):
+    """The token ids a run feeds; with the engine and model, ``key`` names them in memo keys."""
+
+    @property
+    def key(self) -> tuple[Any, ...]: ...
+
+    def ids(self, ctx: Context, engine: str, model: ModelRef) -> list[int]:
+        """The ids, as the context gets them (tokenized once per session)."""
+        ...
+
+
 @dataclass(frozen=True)
-class PlannedRun:
-    """A scored stream run a check will ask the context for (``Scenario.planned_runs``)."""
+class TextFeed:
+    """The first ``count`` token ids of ``text``: the same for every engine and policy."""
+
+    text: Text
+    count: int
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        return ("text", self.text.sha256, self.count)
+
+    def ids(self, ctx: Context, engine: str, model: ModelRef) -> list[int]:
+        return ctx.token_ids(engine, model, self.text, self.count)
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    """A stream run a scenario asks the context for, and tells it of before any check runs
+    (``Scenario.planned_runs``), so that runs of several checks can decode together."""
 
     engine: str
     model: ModelRef
     policy: Policy
-    text: Text
-    count: int
+    feed: Feed
+    lengths: tuple[int, ...] = ()
+    """Token counts at which the engine's figures are sampled (besides the cap and the end)."""
+    score_from: int | None = 0
+    """The first index whose next-token score is wanted (see ``feeding.RunSpec``); None: none."""
+    own_figures: bool = False
+    """The check judges figures only a stream of its own measures on every engine (peak
+    memory): it decodes in a group only where a group's rows still report them."""
+
+
+@dataclass(frozen=True)
+class LaterRequest:
+    """A planned run whose request depends on token ids only the engine can make (a recall
+    prompt's length): ``make`` builds it once the engine is loaded."""
+
+    engine: str
+    model: ModelRef
+    policy: Policy
+    make: Callable[[Context], RunRequest]
+
+
+Planned = RunRequest | LaterRequest
+"""What ``Scenario.planned_runs`` lists."""
 
 
 @dataclass(frozen=True)
@@ -293,6 +341,11 @@ class Context(Protocol):
         score: bool = True,
     ) -> tuple[StreamRun, bool]:
         """The run, and whether it was computed now (False: reused from this session)."""
+        ...
+
+    def run(self, request: RunRequest) -> tuple[StreamRun, bool]:
+        """The run a request names, and whether it was computed now; ``stream_run`` is this
+        with a ``TextFeed``."""
         ...
 
     def memo(self, key: tuple[Any, ...], compute: Callable[[], T]) -> tuple[T, bool]:
@@ -340,10 +393,10 @@ class Scenario(ABC, Generic[SpecT]):
     def run(self, ctx: Context, check: Check[SpecT]) -> Measured:
         """Run the check on the engines; the caller judges the budgets."""
 
-    def planned_runs(self, check: Check[SpecT]) -> list[PlannedRun]:
-        """The scored stream runs ``run`` will ask for, told to the context before any check
-        runs, so that runs of several checks can decode together. None by default; a run
-        left out is still made, alone."""
+    def planned_runs(self, check: Check[SpecT]) -> list[Planned]:
+        """The stream runs ``run`` will ask for, told to the context before any check runs, so
+        that runs of several checks can decode together. None by default; a run left out is
+        still made, alone."""
         return []
 
     @abstractmethod

@@ -5,8 +5,9 @@ room left); once it is full, ``policy.chunk`` tokens per call (1: the decode pat
 engine's batched path, which makes room for the whole chunk at once). A policy that never
 evicts, or leaves eviction to the engine, is fed ``PREFILL_CHUNK`` at a time throughout.
 Chunks end exactly on the points where a scenario samples the engine's figures.
-``run_stream`` is the one pass every stream-like scenario (stream, sweep, parity, memory)
-makes; recall feeds its own prompt through the same ``chunks`` schedule.
+``run_specs`` is the one pass every stream-like scenario (stream, sweep, parity, memory,
+recall) makes, for one run or for several decoded together (``RunSpec`` each); ``run_stream``
+is it for one policy over one text.
 """
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ class StreamRun:
     """(tokens seen, entries held) per layer, where the engine exposes it."""
     samples: list[StreamSample] = field(default_factory=list)
     """Figures at the sample points: the cap, any lengths asked for, and the end."""
+    top1: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64), repr=False)
+    """top1[i] = the token the logits after feeding token i rank first; -1 where not scored."""
 
     @property
     def tokens_per_second(self) -> float:
@@ -115,29 +118,53 @@ def sample_points(policy: Policy, n_tokens: int, lengths: Collection[int] = ()) 
     return sorted(points)
 
 
-class _Pass:
-    """One policy's pass over the token ids: its own chunk schedule, scores and samples."""
+@dataclass(frozen=True)
+class RunSpec:
+    """One pass to make: a policy over token ids, its figures sampled at ``lengths``.
 
-    def __init__(
-        self, stream: Stream, policy: Policy, token_ids: Sequence[int], points: list[int],
-        score: bool,
-    ) -> None:  # fmt: skip
-        n = len(token_ids)
-        self.stream, self.policy, self.token_ids = stream, policy, token_ids
-        self.points, self.score, self.n = points, score, n
+    ``score_from`` is the first index i whose nll[i] (the score of token i + 1) is wanted;
+    engine calls that end before it ask for no logits. None: nothing is scored (memory runs).
+    """
+
+    policy: Policy
+    token_ids: Sequence[int]
+    lengths: tuple[int, ...] = ()
+    score_from: int | None = 0
+
+
+class _Pass:
+    """One policy's pass over its token ids: its own chunk schedule, scores and samples."""
+
+    def __init__(self, stream: Stream, spec: RunSpec) -> None:
+        token_ids, n = spec.token_ids, len(spec.token_ids)
+        self.stream, self.policy, self.token_ids, self.n = stream, spec.policy, token_ids, n
+        self.points = sample_points(spec.policy, n, spec.lengths)
+        self.score_from = spec.score_from
         self.targets = np.asarray(token_ids[1:], dtype=np.int64)
-        self.nll = np.empty(n - 1 if score else 0, dtype=np.float64)
+        scored = 0 if spec.score_from is None else n - 1
+        self.nll = np.full(scored, np.nan, dtype=np.float64)
+        self.top1 = np.full(scored, -1, dtype=np.int64)
         self.first_eviction: int | None = None
         self.samples: list[StreamSample] = []
         self.done = 0
-        self._sizes = chunks(stream, policy, n, points)
+        self._sizes = chunks(stream, spec.policy, n, self.points)
         self.pending: int | None = next(self._sizes, None)
         """The size of the next engine call; None once every token is fed."""
+
+    def wants_logits(self, size: int) -> bool:
+        """Whether the next call of ``size`` tokens ends at or past the first scored index."""
+        return self.score_from is not None and self.done + size - 1 >= self.score_from
+
+    @property
+    def next_token(self) -> int:
+        return int(self.token_ids[self.done])
 
     def feed_alone(self) -> None:
         assert self.pending is not None
         size, evicted_before = self.pending, self.stream.evicted
-        logits = self.stream.feed(self.token_ids[self.done : self.done + size], logits=self.score)
+        logits = self.stream.feed(
+            self.token_ids[self.done : self.done + size], logits=self.wants_logits(size)
+        )
         self.took(size, logits, evicted_before)
 
     def took(self, size: int, logits: np.ndarray, evicted_before: int) -> None:
@@ -145,11 +172,14 @@ class _Pass:
         done, stream = self.done, self.stream
         if self.first_eviction is None and stream.evicted > evicted_before:
             self.first_eviction = done
-        scored = min(size, self.n - 1 - done)  # the last token has nothing left to predict
-        if self.score and scored > 0:
-            self.nll[done : done + scored] = nll_of(
-                logits[:scored], self.targets[done : done + scored]
-            )
+        if self.wants_logits(size):
+            assert self.score_from is not None
+            first = max(done, self.score_from)
+            last = min(done + size, self.n - 1)  # the last token has nothing left to predict
+            if last > first:
+                rows = logits[first - done : last - done]
+                self.nll[first:last] = nll_of(rows, self.targets[first:last])
+                self.top1[first:last] = rows.argmax(axis=1)
         self.done = done + size
         if self.done in self.points:
             self.samples.append(StreamSample(self.done, stream.held, stream.figures()))
@@ -168,6 +198,7 @@ class _Pass:
             engine_figures=self.samples[-1].figures,
             layer_sizes=self.stream.layer_sizes(),
             samples=self.samples,
+            top1=self.top1,
         )
 
 
@@ -184,15 +215,8 @@ def run_stream(
     The engine's figures are sampled at ``sample_points``; chunks end exactly on them.
     ``score=False`` asks the engine for no logits (memory runs): ``nll`` is then empty.
     """
-    started = time.perf_counter()
-    stream = engine.open_stream(policy, len(token_ids))
-    try:
-        one = _Pass(stream, policy, token_ids, sample_points(policy, len(token_ids), lengths),
-                    score)  # fmt: skip
-        _feed_all([one], None, progress)
-        return one.result(time.perf_counter() - started)
-    finally:
-        stream.close()
+    spec = RunSpec(policy, token_ids, tuple(lengths), 0 if score else None)
+    return run_specs(engine, [spec], progress)[0]
 
 
 def run_streams(
@@ -202,35 +226,49 @@ def run_streams(
     progress: Progress | None = None,
     lengths: Collection[int] = (),
 ) -> list[StreamRun]:
-    """``run_stream`` for several policies at once, sharing each decode step's pass over the
-    weights where the engine can (``Engine.open_stream_group``); each policy keeps its own
-    cache, chunk schedule and figures. Without a group, the policies run one after another.
-    Every run's ``seconds`` is the whole group's wall time.
+    """``run_stream`` for several policies over the same token ids (see ``run_specs``)."""
+    return run_specs(engine, [RunSpec(p, token_ids, tuple(lengths)) for p in policies], progress)
+
+
+def run_specs(
+    engine: Engine, specs: Sequence[RunSpec], progress: Progress | None = None
+) -> list[StreamRun]:
+    """Every pass, each through a fresh stream of its own policy. Several passes share each
+    decode step's pass over the weights where the engine can (``Engine.open_stream_group``):
+    each keeps its own cache, token ids, chunk schedule and figures, and a pass that ends
+    early leaves the group. Without a group they run one after another. In a group every
+    run's ``seconds`` is the whole group's wall time.
     """
     open_group = getattr(engine, "open_stream_group", None)
-    if len(policies) == 1 or open_group is None:
-        return [run_stream(engine, p, token_ids, progress, lengths) for p in policies]
-    n = len(token_ids)
+    if len(specs) > 1 and open_group is None:
+        return [run_specs(engine, [spec], progress)[0] for spec in specs]
     started = time.perf_counter()
-    group: StreamGroup = open_group(policies, n)
+    group: StreamGroup | None = None
+    if len(specs) == 1:
+        spec = specs[0]
+        streams: Sequence[Stream] = [engine.open_stream(spec.policy, len(spec.token_ids))]
+    else:
+        assert open_group is not None
+        group = open_group([spec.policy for spec in specs], max(len(s.token_ids) for s in specs))
+        streams = group.streams
     try:
-        passes = [
-            _Pass(stream, policy, token_ids, sample_points(policy, n, lengths), True)
-            for stream, policy in zip(group.streams, policies, strict=True)
-        ]
+        passes = [_Pass(stream, spec) for stream, spec in zip(streams, specs, strict=True)]
         _feed_all(passes, group, progress)
         seconds = time.perf_counter() - started
         return [one.result(seconds) for one in passes]
     finally:
-        group.close()
+        if group is not None:
+            group.close()
+        else:
+            streams[0].close()
 
 
 def _feed_all(passes: list[_Pass], group: StreamGroup | None, progress: Progress | None) -> None:
-    """Feed every pass to its end. A decode step that every pass takes at the same token (one
-    token each, caches full) goes through the group in one engine call; anything else (the
-    fill up to the cap, where sink counts cut their chunks differently) goes pass by pass,
-    the pass furthest behind first, so the passes meet again at the cap."""
-    n = passes[0].n
+    """Feed every pass to its end. A decode step that every pass still running takes at the
+    same token index (one token each, caches full) goes through the group in one engine call;
+    anything else (the fill up to the cap, where sink counts cut their chunks differently) goes
+    pass by pass, the pass furthest behind first, so the passes meet again at the cap."""
+    total = sum(p.n for p in passes)
     next_report = 0
     while True:
         live = [p for p in passes if p.pending is not None]
@@ -239,20 +277,21 @@ def _feed_all(passes: list[_Pass], group: StreamGroup | None, progress: Progress
         behind = min(p.done for p in live)
         together = (
             group is not None
-            and len(live) == len(passes) > 1
+            and len(live) > 1
             and all(p.done == behind and p.pending == 1 for p in live)
         )
         if together:
             assert group is not None
-            evicted_before = [p.stream.evicted for p in passes]
-            rows = group.feed_one(passes[0].token_ids[behind])
-            for k, (one, before) in enumerate(zip(passes, evicted_before, strict=True)):
-                one.took(1, rows[k : k + 1], before)
+            rows = [passes.index(p) for p in live]
+            evicted_before = [p.stream.evicted for p in live]
+            logits = group.feed_rows(rows, [p.next_token for p in live])
+            for k, (one, before) in enumerate(zip(live, evicted_before, strict=True)):
+                one.took(1, logits[k : k + 1], before)
         else:
             for one in live:
                 if one.done == behind:
                     one.feed_alone()
-        done = min((p.done for p in passes if p.pending is not None), default=n)
-        if progress is not None and (done >= next_report or done == n):
-            progress(done, n)
-            next_report = done + max(1, n // 4)
+        done = sum(p.done for p in passes)
+        if progress is not None and (done >= next_report or done == total):
+            progress(done, total)
+            next_report = done + max(1, total // 4)

@@ -37,8 +37,10 @@ from pytest_kvguard.scenarios.base import (
     Fields,
     Measured,
     Param,
-    PlannedRun,
+    Planned,
+    RunRequest,
     Scenario,
+    TextFeed,
     require_text_room,
 )
 from pytest_kvguard.scenarios.stream import check_reaches_eviction
@@ -116,10 +118,10 @@ class GenerateScenario(Scenario[GenerateSpec]):
             policy, p["tokens"], fields.text_name(), p["prompt"], p["reply"], p["prefill_step"]
         )
 
-    def planned_runs(self, check: Check[GenerateSpec]) -> list[PlannedRun]:
+    def planned_runs(self, check: Check[GenerateSpec]) -> list[Planned]:
         spec = check.spec
         text = load_text(spec.text, check.base_dir)
-        return [PlannedRun(check.engine, check.model, p, text, spec.tokens)
+        return [RunRequest(check.engine, check.model, p, TextFeed(text, spec.tokens))
                 for p in (Policy("full"), spec.policy)]  # fmt: skip
 
     def run(self, ctx: Context, check: Check[GenerateSpec]) -> Measured:

@@ -29,7 +29,10 @@ from pytest_kvguard.scenarios.base import (
     Fields,
     Measured,
     Param,
+    Planned,
+    RunRequest,
     Scenario,
+    TextFeed,
     ascending_counts,
     check_bounded_run,
     require_text_room,
@@ -213,6 +216,14 @@ class MemoryScenario(Scenario[MemorySpec]):
 
     def check_budgets(self, spec: MemorySpec, budgets: Budgets) -> None:
         check_bounded_run(spec.policy, spec.tokens, budgets)
+
+    def planned_runs(self, check: Check[MemorySpec]) -> list[Planned]:
+        """The one unscored run; its peak memory is a figure of the check, so it decodes with
+        others only where the engine's group rows report their own peak."""
+        spec = check.spec
+        feed = TextFeed(load_text(spec.text, check.base_dir), spec.tokens)
+        return [RunRequest(check.engine, check.model, spec.policy, feed, spec.lengths, None,
+                           own_figures=True)]  # fmt: skip
 
     def run(self, ctx: Context, check: Check[MemorySpec]) -> Measured:
         """One run sampled at each length; measured KV bytes against the engine's prediction."""

@@ -10,10 +10,8 @@ that evicted the fact should not. A budget can require either (``must_recall`` /
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import numpy as np
@@ -21,6 +19,7 @@ import numpy as np
 from pytest_kvguard.budgets import Budgets
 from pytest_kvguard.engines import Engine
 from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.models import ModelRef
 from pytest_kvguard.policies import Policy, make_policy
 from pytest_kvguard.scenarios.base import (
     CAP,
@@ -31,14 +30,16 @@ from pytest_kvguard.scenarios.base import (
     Check,
     Context,
     Fields,
+    LaterRequest,
     Measured,
     Param,
+    Planned,
+    RunRequest,
     Scenario,
     require_text_room,
 )
-from pytest_kvguard.scenarios.feeding import chunks
-from pytest_kvguard.scoring import nll_of
-from pytest_kvguard.texts import DEFAULT_TEXT, load_text
+from pytest_kvguard.scenarios.feeding import StreamRun
+from pytest_kvguard.texts import DEFAULT_TEXT, Text, load_text
 
 DEFAULT_FACT = "Note for later: the password of the blue vault is PAPAYA-7.\n\n"
 DEFAULT_QUESTION = "\n\nQuestion: what is the password of the blue vault?\nAnswer: the password is"
@@ -102,36 +103,58 @@ class RecallRun:
         return self.evicted > 0 and self.fact_end > self.policy.sinks
 
 
-def run_recall(engine: Engine, policy: Policy, prompt: RecallPrompt) -> RecallRun:
-    """Feed the prompt under the policy (logits only for its last token), then the answer."""
-    ids = prompt.prompt
-    started = time.perf_counter()
-    stream = engine.open_stream(policy, len(ids) + len(prompt.answer))
-    try:
-        done = 0
-        logits = np.empty(0)
-        for size in chunks(stream, policy, len(ids)):
-            logits = stream.feed(ids[done : done + size], logits=done + size == len(ids))
-            done += size
-        hits, nll = 0, []
-        for token in prompt.answer:
-            row = logits[-1:]
-            hits += int(np.argmax(row[0]) == token)
-            nll.append(float(nll_of(row, np.asarray([token]))[0]))
-            logits = stream.feed([token])
-        evicted, held = stream.evicted, stream.held
-    finally:
-        stream.close()
+@dataclass(frozen=True)
+class RecallFeed:
+    """The recall prompt (fact, filler, question) and the answer after it, as token ids."""
+
+    fact: str
+    question: str
+    answer: str
+    filler_tokens: int
+    text: Text
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        return ("recall", self.fact, self.question, self.answer, self.filler_tokens,
+                self.text.sha256)  # fmt: skip
+
+    def prompt(self, ctx: Context, engine: str, model: ModelRef) -> RecallPrompt:
+        filler = ctx.token_ids(engine, model, self.text, self.filler_tokens + 1)
+        loaded = ctx.engine(engine, model)
+        return build_prompt(loaded, self.fact, filler, self.question, self.answer)
+
+    def ids(self, ctx: Context, engine: str, model: ModelRef) -> list[int]:
+        prompt = self.prompt(ctx, engine, model)
+        return [*prompt.prompt, *prompt.answer]
+
+
+def recall_request(
+    engine: str, model: ModelRef, policy: Policy, feed: RecallFeed, prompt: RecallPrompt
+) -> RunRequest:
+    """The prompt fed as kvguard feeds any stream (logits asked for only from its last token
+    on), then the answer one token at a time, each scored: every length from the end of the
+    prompt on is a stop."""
+    n_prompt = len(prompt.prompt)
+    stops = tuple(range(n_prompt, n_prompt + len(prompt.answer) + 1))
+    return RunRequest(engine, model, policy, feed, stops, score_from=n_prompt - 1)
+
+
+def recall_run(run: StreamRun, prompt: RecallPrompt) -> RecallRun:
+    """The answer's scores, read from a run over the prompt and the answer."""
+    first = len(prompt.prompt) - 1  # the last prompt token's logits predict the answer's first
+    answer = np.asarray(prompt.answer)
+    scored = slice(first, first + len(answer))
+    nll = [float(value) for value in run.nll[scored]]
     return RecallRun(
-        policy=policy,
-        prompt_tokens=len(ids),
+        policy=run.policy,
+        prompt_tokens=len(prompt.prompt),
         fact_end=len(prompt.fact),
-        answer_hits=hits,
-        answer_tokens=len(prompt.answer),
+        answer_hits=int((run.top1[scored] == answer).sum()),
+        answer_tokens=len(answer),
         answer_nll=sum(nll) / len(nll) if nll else math.nan,
-        evicted=evicted,
-        held=held,
-        seconds=time.perf_counter() - started,
+        evicted=run.evicted,
+        held=run.kv_entries,
+        seconds=run.seconds,
     )
 
 
@@ -211,19 +234,36 @@ class RecallScenario(Scenario[RecallSpec]):
                 key="budgets.must_forget",
             )
 
+    def feed(self, check: Check[RecallSpec]) -> RecallFeed:
+        spec = check.spec
+        text = load_text(spec.text, check.base_dir)
+        return RecallFeed(spec.fact, spec.question, spec.answer, spec.filler_tokens, text)
+
+    def planned_runs(self, check: Check[RecallSpec]) -> list[Planned]:
+        """The candidate's run and the full cache's; where the answer starts is known once the
+        engine has tokenized the prompt, so each request is made then."""
+        feed = self.feed(check)
+
+        def later(policy: Policy) -> LaterRequest:
+            def make(ctx: Context) -> RunRequest:
+                prompt = feed.prompt(ctx, check.engine, check.model)
+                return recall_request(check.engine, check.model, policy, feed, prompt)
+
+            return LaterRequest(check.engine, check.model, policy, make)
+
+        return [later(check.spec.policy), later(make_policy("full"))]
+
     def run(self, ctx: Context, check: Check[RecallSpec]) -> Measured:
         """The fact, the filler and the question under the policy and under the full cache."""
-        spec, engine = check.spec, check.engine
-        text = load_text(spec.text, check.base_dir)
-        loaded = ctx.engine(engine, check.model)
-        filler = ctx.token_ids(engine, check.model, text, spec.filler_tokens + 1)
-        prompt = build_prompt(loaded, spec.fact, filler, spec.question, spec.answer)
+        engine = check.engine
+        feed = self.feed(check)
+        prompt = feed.prompt(ctx, engine, check.model)
         runs, fresh = [], []
-        for candidate in (spec.policy, make_policy("full")):
+        for candidate in (check.spec.policy, make_policy("full")):
             # The full-cache run is shared by every recall check of the same prompt.
-            key = ("recall", engine, check.model.resolve(), candidate, tuple(prompt.prompt),
-                   tuple(prompt.answer))  # fmt: skip
-            run, new = ctx.memo(key, partial(run_recall, loaded, candidate, prompt))
+            request = recall_request(engine, check.model, candidate, feed, prompt)
+            stream, new = ctx.run(request)
+            run = recall_run(stream, prompt)
             if new:
                 ctx.say(
                     f"{engine} {check.model.name} {candidate.describe()}: recall "
@@ -234,9 +274,9 @@ class RecallScenario(Scenario[RecallSpec]):
             fresh.append(new)
         result = RecallResult(*runs)
         return Measured(
-            policy=spec.policy.describe(),
+            policy=check.spec.policy.describe(),
             tokens=len(prompt.prompt),
-            text=text,
+            text=feed.text,
             metrics=result.metrics,
             seconds={
                 "candidate": runs[0].seconds if fresh[0] else 0.0,

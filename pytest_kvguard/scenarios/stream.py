@@ -26,8 +26,10 @@ from pytest_kvguard.scenarios.base import (
     Context,
     Fields,
     Measured,
-    PlannedRun,
+    Planned,
+    RunRequest,
     Scenario,
+    TextFeed,
     check_bounded_run,
     require_text_room,
 )
@@ -183,11 +185,15 @@ class StreamScenario(Scenario[StreamSpec]):
         check_bounded_run(spec.policy, spec.tokens, budgets)
         check_chunk_gap_budget(spec.policy, budgets)
 
-    def planned_runs(self, check: Check[StreamSpec]) -> list[PlannedRun]:
+    def planned_runs(self, check: Check[StreamSpec]) -> list[Planned]:
         spec = check.spec
         text = load_text(spec.text, check.base_dir)
         policies = [spec.baseline, spec.policy, single_token(spec.policy)]
-        return [PlannedRun(check.engine, check.model, p, text, spec.tokens) for p in policies if p]
+        return [
+            RunRequest(check.engine, check.model, p, TextFeed(text, spec.tokens))
+            for p in policies
+            if p
+        ]
 
     def run(self, ctx: Context, check: Check[StreamSpec]) -> Measured:
         """Run candidate and baseline on the same token ids."""

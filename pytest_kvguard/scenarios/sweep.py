@@ -25,8 +25,10 @@ from pytest_kvguard.scenarios.base import (
     Fields,
     Measured,
     Param,
-    PlannedRun,
+    Planned,
+    RunRequest,
     Scenario,
+    TextFeed,
     ascending_counts,
     require_text_room,
 )
@@ -193,11 +195,13 @@ class SweepScenario(Scenario[SweepSpec]):
         require_text_room(fields, spec.tokens, "params.tokens")
         return spec
 
-    def planned_runs(self, check: Check[SweepSpec]) -> list[PlannedRun]:
+    def planned_runs(self, check: Check[SweepSpec]) -> list[Planned]:
         spec = check.spec
         text = load_text(spec.text, check.base_dir)
         policies = [spec.baseline, *(policy for _, _, policy in spec.policies())]
-        return [PlannedRun(check.engine, check.model, p, text, spec.tokens) for p in policies]
+        return [
+            RunRequest(check.engine, check.model, p, TextFeed(text, spec.tokens)) for p in policies
+        ]
 
     def run(self, ctx: Context, check: Check[SweepSpec]) -> Measured:
         """Every sink count under every position handling, same cap, same token ids."""
