@@ -70,7 +70,7 @@ def run_gated(config: pytest.Config, check: Check[Any]) -> Outcome:
     other run or the baseline. ``WorkerLost`` when the worker died or hung running it."""
     environments = config.stash.get(ENVIRONMENTS_KEY, Environments())
     timeout = check.timeout if check.timeout is not None else config.stash.get(TIMEOUT_KEY, None)
-    sent = _sendable(check)
+    sent = sendable(check)
     pool = session_pool(config)
     python = environments.python_for(check.engines)
     worker = pool.worker(python)
@@ -89,7 +89,7 @@ def run_gated(config: pytest.Config, check: Check[Any]) -> Outcome:
     return against_baseline(config, outcome)
 
 
-def _sendable(check: Check[Any]) -> Check[Any]:
+def sendable(check: Check[Any]) -> Check[Any]:
     """The check with its model file found here: a worker's environment need not have the
     model packages."""
     return replace(check, model=replace(check.model, path=check.model.resolve()))
@@ -101,7 +101,7 @@ def _plan_for(config: pytest.Config, environments: Environments, python: str) ->
     for check in config.stash.get(PLAN_KEY, []):
         try:
             if environments.python_for(check.engines) == python:
-                planned.append(_sendable(check))
+                planned.append(sendable(check))
         except KvguardError:
             continue  # the check reports it when it runs
     return planned

@@ -164,6 +164,14 @@ class EngineWorker:
     def alive(self) -> bool:
         return self._process is not None and self._process.poll() is None
 
+    def add_plan(self, checks: list[Check[Any]]) -> None:
+        """Tell the worker of more checks it will be sent (now, if it is running; otherwise
+        after it starts), so their runs can decode together with earlier ones."""
+        self.plan = [*(self.plan or []), *checks]
+        if self.alive and self._send is not None and not self._busy:
+            with contextlib.suppress(OSError):  # a dead worker: the next run says so
+                self._send.send(("plan", checks))
+
     def _start(self) -> None:
         to_worker_read, to_worker_write = os.pipe()
         from_worker_read, from_worker_write = os.pipe()

@@ -1,8 +1,10 @@
 """The bundled budgets file on the real engines and real bundled models: the proof the gate works.
 
-Every check in fixtures/budgets.yaml runs here (about twenty minutes on 2 CPU cores); the runs are
-shared with the other engine tests through the plugin's session runner. The last test writes
-the JSON report of these outcomes and validates it against the documented schema.
+Every check in fixtures/budgets.yaml runs here as README command 1 runs it: in the session's
+engine worker, told of every bundled check first, so runs of several checks decode together.
+The kvguard fixture's tests later in the session send the same worker checks whose runs are
+already there, and reuse them. The last test writes the JSON report of these outcomes and
+validates it against the documented schema.
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ from typing import Any
 import pytest
 
 from pytest_kvguard.budgets_file import load_budgets_file
+from pytest_kvguard.environments import Environments
 from pytest_kvguard.outcome import Outcome
 from pytest_kvguard.report import build_report, report_schema
-from pytest_kvguard.runner import Runner, run_check
 from pytest_kvguard.scenarios.base import Check
+from pytest_kvguard.session import run_gated, sendable, session_pool
 
 pytestmark = pytest.mark.engine
 BUNDLED = load_budgets_file(Path(__file__).parent.parent / "fixtures" / "budgets.yaml")
@@ -36,14 +39,16 @@ def test_the_bundled_file_shows_the_cliff_on_both_engines() -> None:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def planned(kvguard_runner: Runner) -> None:
-    """As the gate's engine worker is told: runs of several checks then decode together."""
-    kvguard_runner.plan(BUNDLED.checks)
+def planned(pytestconfig: pytest.Config) -> None:
+    """As command 1 tells its engine worker: runs of several checks then decode together."""
+    python = Environments().python_for(("llama_cpp", "mlx"))
+    worker = session_pool(pytestconfig).worker(python)
+    worker.add_plan([sendable(check) for check in BUNDLED.checks])
 
 
 @pytest.mark.parametrize("check", BUNDLED.checks, ids=lambda c: c.name)
-def test_bundled_check(kvguard_runner: Runner, check: Check[Any]) -> None:
-    outcome = run_check(kvguard_runner, check)
+def test_bundled_check(pytestconfig: pytest.Config, check: Check[Any]) -> None:
+    outcome = run_gated(pytestconfig, check)
     OUTCOMES[check.name] = outcome
     assert outcome.verdict == ("CAUGHT" if check.expect_violation else "PASS"), outcome.violations
     m, spec = outcome.metrics, check.spec
