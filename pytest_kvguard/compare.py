@@ -34,12 +34,15 @@ def figures(row: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def relative_change(a: Any, b: Any) -> float | None:
-    """|b - a| / |a| for two numbers (0 where both are 0); None for anything else."""
+    """|b - a| / |a| for two finite numbers (0 where they are equal, NaN twice included);
+    None for anything else, which is then compared for equality only."""
     numbers = (int, float)
     if not (isinstance(a, numbers) and isinstance(b, numbers)) or isinstance(a, bool):
         return None
     if a == b or (_nan(a) and _nan(b)):
         return 0.0
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return None  # a figure that became NaN or infinite is a difference at any tolerance
     return math.inf if a == 0 else abs(b - a) / abs(a)
 
 
@@ -77,6 +80,17 @@ def _nan(value: Any) -> bool:
     return isinstance(value, float) and math.isnan(value)
 
 
+def percent(text: str) -> float:
+    """A tolerance in percent: a number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text} is below 0: write a percentage >= 0")
+    return value
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvguard-compare", description=__doc__.splitlines()[0])
     parser.add_argument("first", type=Path)
@@ -86,8 +100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="a figure not to compare, e.g. process_peak_rss_bytes (repeatable)",
     )  # fmt: skip
     parser.add_argument(
-        "--tolerance", type=float, default=0.0, metavar="PCT",
-        help="relative change, in percent, below which numbers count as equal (default 0)",
+        "--tolerance", type=percent, default=0.0, metavar="PCT",
+        help="relative change, in percent, up to which numbers count as equal (default 0)",
     )  # fmt: skip
     args = parser.parse_args(argv)
     try:

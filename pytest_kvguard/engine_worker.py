@@ -2,8 +2,9 @@
 
 Started by ``workers.EngineWorker``; not a command for users. It receives the folders the
 pytest process imports from outside its environment and a ``WorkerSetup`` (it answers
-``("ready",)``), then an optional ``("plan", checks)`` (the checks it will be sent, so runs
-of several checks can decode together; no answer), then ``("run", check)`` requests, and
+``("ready",)``), then ``("run", check)`` requests, each of them perhaps after a ``("plan",
+checks)`` (more checks it will be sent, so runs of several checks can decode together; no
+answer), and
 answers each with ``("say", line, detail)`` progress lines (and ``("grouped",)`` before it
 decodes other checks' policies together with the check's) followed by ``("outcome",
 outcome)``, ``("error", KvguardError)`` (something the user can fix) or ``("bug", summary,
@@ -53,7 +54,7 @@ def serve(receive: Connection, send: Connection) -> None:
                 return  # the pytest process went away
             if request[0] == "close":
                 return
-            if request[0] == "plan":  # the checks this worker will be sent, before the first
+            if request[0] == "plan":  # more checks this worker will be sent
                 runner.plan(request[1])
                 continue
             try:

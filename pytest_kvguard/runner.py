@@ -108,15 +108,16 @@ class Runner:
         if run.own_figures or judged_on_peak:
             self._own_figures.add(key)
 
-    def _make_later(self, engine: str, model: ModelRef) -> None:
-        """Make the planned requests of this engine and model that needed its token ids."""
+    def _make_later(self, engine: str, model: ModelRef, group_key: Callable[[Policy], Any]) -> None:
+        """Make the planned requests of this engine and model that needed its token ids; those
+        whose policy can decode with no other are dropped (they are made when they run)."""
         waiting = []
         for later, judged_on_peak in self._later:
             if (later.engine, later.model.resolve()) != (engine, model.resolve()):
                 waiting.append((later, judged_on_peak))
-                continue
-            with contextlib.suppress(KvguardError):  # the check reports it when it runs
-                self._add_planned(later.make(self), judged_on_peak)
+            elif group_key(later.policy) is not None:
+                with contextlib.suppress(KvguardError):  # the check reports it when it runs
+                    self._add_planned(later.make(self), judged_on_peak)
         self._later = waiting
 
     @staticmethod
@@ -137,9 +138,10 @@ class Runner:
         if group_key is None or group_key(request.policy) is None:
             return []
         rows_keep_figures = bool(getattr(loaded, "group_figures_own", False))
-        if key in self._own_figures and not rows_keep_figures:
+        own = request.own_figures or key in self._own_figures
+        if own and not rows_keep_figures:
             return []
-        self._make_later(request.engine, request.model)
+        self._make_later(request.engine, request.model, group_key)
         found: list[RunRequest] = []
         for other_key, run in self._planned.items():
             if len(found) == MAX_GROUP_ROWS - 1:
@@ -165,8 +167,9 @@ class Runner:
     ) -> tuple[StreamRun, bool]:
         """The run, and whether it was computed now (False: reused from this session)."""
         check_policy(engine, policy, "stream" if score else "memory")  # direct callers too
+        # An unscored run is a memory run: its peak is a figure of its check, planned or not.
         request = RunRequest(engine, model, policy, TextFeed(text, count), tuple(lengths),
-                             0 if score else None)  # fmt: skip
+                             0 if score else None, own_figures=not score)  # fmt: skip
         return self.run(request)
 
     def run(self, request: RunRequest) -> tuple[StreamRun, bool]:
@@ -187,20 +190,25 @@ class Runner:
 
         def compute() -> StreamRun:
             loaded = self.engine(engine, model)
-            label = f"{engine} {model.name} {request.policy.describe()}"
-            companions = self._companions(request, key)
-            if not companions:
+            ready = []
+            for other in self._companions(request, key):
+                try:
+                    ready.append((other, spec_of(other)))
+                except KvguardError:
+                    continue  # its own check reports it when it runs
+            if not ready:
+                label = f"{engine} {model.name} {request.policy.describe()}"
                 run = run_specs(loaded, [spec_of(request)], progress_of(label))[0]
                 self.say(f"{label}: done in {run.seconds:.1f} s "
                          f"({run.tokens_per_second:.0f} tokens/s)")  # fmt: skip
                 return run
             if self.on_group is not None:
                 self.on_group()
-            together = [request, *companions]
-            names = ", ".join(r.policy.describe() for r in together)
-            label = f"{engine} {model.name}: {len(together)} runs"
-            runs = run_specs(loaded, [spec_of(r) for r in together], progress_of(label))
-            for other, other_run in zip(companions, runs[1:], strict=True):
+            names = ", ".join(r.policy.describe() for r in [request, *(o for o, _ in ready)])
+            label = f"{engine} {model.name}: {len(ready) + 1} runs"
+            specs = [spec_of(request), *(spec for _, spec in ready)]
+            runs = run_specs(loaded, specs, progress_of(label))
+            for (other, _), other_run in zip(ready, runs[1:], strict=True):
                 self._memo[self._run_key(other)] = other_run
             self.say(f"{label} ({names}) decoded together in {runs[0].seconds:.1f} s")
             return runs[0]

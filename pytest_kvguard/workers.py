@@ -158,19 +158,22 @@ class EngineWorker:
         self._grouped = False
         """Whether the check in flight decoded with other checks' policies."""
         self.plan: list[Check[Any]] | None = None
-        """The checks this worker will be sent, told to it after each start; None: not known."""
+        """The session's checks this worker will be sent, told to it after each start; None:
+        not known yet."""
+        self._extra: list[Check[Any]] = []
+        """Checks added with ``add_plan``, told to it after each start too."""
+        self._unsent: list[Check[Any]] = []
+        """Checks added while it runs, told to it before the next check."""
 
     @property
     def alive(self) -> bool:
         return self._process is not None and self._process.poll() is None
 
     def add_plan(self, checks: list[Check[Any]]) -> None:
-        """Tell the worker of more checks it will be sent (now, if it is running; otherwise
-        after it starts), so their runs can decode together with earlier ones."""
-        self.plan = [*(self.plan or []), *checks]
-        if self.alive and self._send is not None and not self._busy:
-            with contextlib.suppress(OSError):  # a dead worker: the next run says so
-                self._send.send(("plan", checks))
+        """Tell the worker of more checks it will be sent, so their runs can decode together:
+        before the next check it runs (and after every start)."""
+        self._extra.extend(checks)
+        self._unsent.extend(checks)
 
     def _start(self) -> None:
         to_worker_read, to_worker_write = os.pipe()
@@ -229,16 +232,18 @@ class EngineWorker:
         except WorkerLost:
             if not self._grouped:
                 raise
-            self.plan = []
+            self.plan, self._extra = [], []
             return self._run_once(check, timeout)
 
     def _run_once(self, check: Check[Any], timeout: float | None) -> Outcome:
         if not self.alive:
             self._stop()
             self._start()
-            if self.plan:
-                with contextlib.suppress(OSError):  # a dead worker: the run below says so
-                    self._send.send(("plan", self.plan))  # type: ignore[union-attr]
+            self._unsent = [*(self.plan or []), *self._extra]
+        if self._unsent:
+            with contextlib.suppress(OSError):  # a dead worker: the run below says so
+                self._send.send(("plan", self._unsent))  # type: ignore[union-attr]
+            self._unsent = []
         assert self._send is not None and self._receive is not None
         what = f"{check.name} on {' and '.join(check.engines)}"
         self._busy = True

@@ -76,35 +76,6 @@ def test_planned_runs_of_two_checks_decode_together(
 
 
 @pytest.mark.engine
-def test_mlx_group_gives_each_policy_its_own_run(kvguard_runner: Runner) -> None:
-    engine = kvguard_runner.engine("mlx", SMOLLM2)
-    ids = kvguard_runner.token_ids("mlx", SMOLLM2, pydoc_topics(), 360)
-    policies = [
-        make_policy("window", cap=256, positions="absolute"),
-        *(make_policy("sink", cap=256, sinks=s, positions="absolute") for s in (1, 4, 8)),
-    ]
-    grouped = run_streams(engine, policies, ids, lengths=(300,))
-    for policy, together in zip(policies, grouped, strict=True):
-        alone = run_stream(engine, policy, ids, lengths=(300,))
-        assert together.policy == policy
-        assert (together.kv_entries, together.evicted, together.first_eviction) == (
-            alone.kv_entries, alone.evicted, alone.first_eviction)  # fmt: skip
-        assert together.layer_sizes == alone.layer_sizes
-        assert [(s.tokens, s.held, s.figures["kv_bytes"]) for s in together.samples] == [
-            (s.tokens, s.held, s.figures["kv_bytes"]) for s in alone.samples
-        ]
-        post = slice(alone.first_eviction, None)
-        assert perplexity(together.nll[post]) == pytest.approx(perplexity(alone.nll[post]),
-                                                               rel=1e-3)  # fmt: skip
-        # Batched matmuls round differently: close per token, not bit-identical.
-        assert np.abs(together.nll - alone.nll).max() < 1e-3
-        # The group's peak memory is not one policy's: it is not reported for a row.
-        assert "peak_memory_bytes" not in together.engine_figures
-    # The sinks matter, so the rows really held different caches.
-    assert len({round(perplexity(run.nll[256:]), 6) for run in grouped}) == len(policies)
-
-
-@pytest.mark.engine
 def test_mlx_refuses_a_group_whose_caches_differ_in_size(kvguard_runner: Runner) -> None:
     engine = kvguard_runner.engine("mlx", SMOLLM2)
     mixed = [make_policy("sink", cap=256, sinks=4, positions="absolute"),
@@ -148,7 +119,7 @@ def mixed_specs(ids: list[int], positions: tuple[str, ...]) -> list[RunSpec]:
     specs += [
         RunSpec(make_policy("sink", cap=256, sinks=4, positions=positions[0]), ids[:330],
                 (256, 300), None),  # a memory run: shorter, unscored
-        # Ids of its own (as a recall prompt has), scored over its last 10 tokens only.
+        # Ids of its own (as a recall prompt has), scored over its last 9 next-token scores only.
         RunSpec(make_policy("sink", cap=256, sinks=8, positions=positions[-1]), ids[40:],
                 (270,), score_from=len(ids) - 50),
     ]  # fmt: skip
@@ -178,7 +149,11 @@ def test_mlx_group_rows_may_differ_in_ids_length_and_scoring(kvguard_runner: Run
     grouped = run_specs(engine, specs)
     for spec, together in zip(specs, grouped, strict=True):
         # mlx's memory counters are the group's: a row reports its own cache's figures only.
-        assert_same_run(together, run_specs(engine, [spec])[0], figures=False)
+        alone = run_specs(engine, [spec])[0]
+        assert_same_run(together, alone, figures=False)
+        assert [s.figures["kv_bytes"] for s in together.samples] == [
+            s.figures["kv_bytes"] for s in alone.samples
+        ]
         assert "peak_memory_bytes" not in together.engine_figures
 
 
@@ -218,3 +193,30 @@ def test_recall_and_memory_runs_join_a_group_with_what_they_share(
     assert len(FakeStreamGroup.opened) == 1
     planned.close()
     alone.close()
+
+
+def test_an_unplanned_memory_run_never_joins_a_group_that_drops_its_peak(
+    fake_engine: None, tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A memory check the runner was not told of (a fixture's, say) still decodes alone where
+    group rows report no peak memory, whatever other runs are planned."""
+    from kvguard_fake_engine import FakeStreamGroup
+
+    monkeypatch.chdir(tiny_gguf.parent)
+    small = {"cap": 16, "sinks": 4}
+    stream = fake_check("stream", policy="sink", params={"tokens": 64, **small},
+                        budgets={"max_ppl_increase_pct": 50})  # fmt: skip
+    memory = fake_check(
+        "memory",
+        scenario="memory",
+        policy="sink",
+        params={"lengths": [16, 32, 64], **small},
+        budgets={"bounded": True},
+    )
+    runner = Runner(EngineOptions())
+    runner.plan([stream])
+    FakeStreamGroup.opened.clear()
+    outcome = run_check(runner, memory)
+    assert FakeStreamGroup.opened == []
+    assert outcome.metrics["peak_memory_bytes"] > 0
+    runner.close()

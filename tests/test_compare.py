@@ -61,3 +61,14 @@ def test_a_tolerance_passes_small_moves_and_names_the_largest(
     assert "1 difference(s) beyond 0.09%" in capsys.readouterr().out
     # Counts and bytes are numbers like any other: a tolerance covers them too; a verdict never.
     assert run(tmp_path, new(verdict="FAIL"), "--tolerance", "50") == 1
+
+
+def test_a_figure_that_becomes_nan_is_a_difference_at_any_tolerance(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    broken = new(metrics={"post_eviction_ppl": float("nan"), "kv_bytes": 5902057.0})
+    assert run(tmp_path, broken, "--tolerance", "50") == 1
+    assert "a: metrics.post_eviction_ppl 12.1 -> nan" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        run(tmp_path, new(), "--tolerance", "-1")
+    assert "below 0" in capsys.readouterr().err

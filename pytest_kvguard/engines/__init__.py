@@ -70,8 +70,9 @@ class StreamGroup(Protocol):
         ...
 
     def feed_rows(self, rows: Sequence[int], token_ids: Sequence[int]) -> np.ndarray:
-        """Decode ``token_ids[k]`` on row ``rows[k]`` (index into ``streams``), every one in a
-        single engine call (each such row's cache full, all of one length): the logits, one row
+        """Decode ``token_ids[k]`` on row ``rows[k]`` (index into ``streams``), all in one
+        engine call (those rows have been fed as many tokens, so their caches hold as many
+        entries, and each has room made for one more as its policy says): the logits, one row
         per token (len(rows), vocab) float32."""
         ...
 

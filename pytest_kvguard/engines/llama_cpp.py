@@ -128,8 +128,8 @@ class LlamaCppEngine:
         self.options = options
         self.vocab = lc.llama_model_get_vocab(model)
         self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
-        self._solo: dict[int, _SoloFacts] = {}
-        self._headers: dict[tuple[int, int, int], int] = {}
+        self.probes: dict[tuple[Any, ...], Any] = {}
+        """What contexts made to be measured showed, by what was measured (``llama_group``)."""
 
     def version(self) -> str:
         return str(lc.__version__)
@@ -155,7 +155,7 @@ class LlamaCppEngine:
         return LlamaCppPrefixCache(self, policy, max_tokens)
 
     group_figures_own = True
-    """A row of a stream group reports what a context of its own would (``memory_figures``)."""
+    """A row of a stream group reports what a context of its own would (``llama_group``)."""
 
     def group_key(self, policy: Policy) -> tuple[str, int] | None:
         """Policies with the same key decode together as sequences of one context
@@ -163,56 +163,24 @@ class LlamaCppEngine:
         each token they decode, so every row takes the same step once full. Not on models with
         sliding-window layers (a sequence's state leaves out the iSWA cells its kv_bytes must
         count), nor re-indexed on a cache that cannot shift."""
+        from pytest_kvguard.engines.llama_group import solo_facts
+
         if policy.kind not in ("sink", "window") or policy.cap is None:
             return None
         if policy.chunk != 1 or policy.evict_step != 1 or lc.llama_model_n_swa(self.model) > 0:
             return None
-        if policy.positions == "reindexed" and not self.solo_facts(policy.cap).can_shift:
+        if policy.positions == "reindexed" and not solo_facts(self, policy.cap).can_shift:
             return None
         return ("sequences", policy.cap)
 
-    def open_stream_group(self, policies: Sequence[Policy], max_tokens: int) -> LlamaCppStreamGroup:
+    def open_stream_group(self, policies: Sequence[Policy], max_tokens: int) -> Any:
+        """A ``llama_group.LlamaCppStreamGroup`` of these policies."""
+        from pytest_kvguard.engines.llama_group import LlamaCppStreamGroup
+
         keys = {self.group_key(p) for p in policies}
         if None in keys or len(keys) != 1:
             raise ValueError(f"these policies cannot decode together: {policies}")
         return LlamaCppStreamGroup(self, policies, max_tokens)
-
-    def solo_facts(self, n_ctx: int) -> _SoloFacts:
-        """What a context of its own with ``n_ctx`` cells (a stream's) allocates, measured once
-        per size on a context made for the purpose: what a row of a stream group, which shares
-        another context, reports instead."""
-        if n_ctx not in self._solo:
-            alone = _Context(self, n_ctx)
-            try:
-                self._solo[n_ctx] = _SoloFacts(
-                    can_shift=bool(lc.llama_memory_can_shift(alone.memory)),
-                    kv_buffer_bytes=alone.kv_buffer_bytes,
-                    compute_buffer_bytes=alone.compute_buffer_bytes,
-                )
-            finally:
-                alone.close()
-        return self._solo[n_ctx]
-
-    def state_header_bytes(self, n_ctx: int, group_n_ctx: int, n_seq: int) -> int:
-        """What a context of its own with ``n_ctx`` cells writes in ``llama_state_get_size``
-        beyond one of ``n_seq`` sequences of a group's context of ``group_n_ctx`` cells, holding
-        the same cells, writes in ``llama_state_seq_get_size``: header fields only (in
-        llama-cpp-python 0.3.36, -3 bytes with 2 sequences, 4 bytes less per sequence more,
-        the same at 1, 5 and 100 cells). Measured once on one decoded token."""
-        key = (n_ctx, group_n_ctx, n_seq)
-        if key not in self._headers:
-            alone, group = _Context(self, n_ctx), _Context(self, group_n_ctx, n_seq=n_seq)
-            try:
-                token = max(0, int(lc.llama_vocab_bos(self.vocab)))
-                alone.decode([token], [0], [SEQ], all_logits=False)
-                group.decode([token], [0], [SEQ], all_logits=False)
-                self._headers[key] = int(lc.llama_state_get_size(alone.ctx)) - int(
-                    lc.llama_state_seq_get_size(group.ctx, SEQ)
-                )
-            finally:
-                alone.close()
-                group.close()
-        return self._headers[key]
 
     def converse(
         self, policy: Policy, token_ids: Sequence[int], turns: Sequence[Turn], prefill_step: int
@@ -224,7 +192,7 @@ class LlamaCppEngine:
         what the policy can free beside its sinks) on a stream that evicts for each call with
         llama.cpp's seq_rm / seq_add, and each reply one token at a time.
         """
-        step = min(prefill_step, _Sequence.UBATCH, policy.max_chunk or _Sequence.UBATCH)
+        step = min(prefill_step, UBATCH, policy.max_chunk or UBATCH)
         stream = self.open_stream(policy, len(token_ids))
         try:
             return converse_through_stream(stream, token_ids, turns, step)
@@ -235,16 +203,6 @@ class LlamaCppEngine:
         if self.model:
             lc.llama_model_free(self.model)
             self.model = None
-
-
-@dataclass(frozen=True)
-class _SoloFacts:
-    """A stream's context of its own, as measured on one made for the purpose."""
-
-    can_shift: bool
-    """Whether its cache can shift positions (re-indexing)."""
-    kv_buffer_bytes: float
-    compute_buffer_bytes: float
 
 
 class _Context:
@@ -315,16 +273,14 @@ class _Sequence:
     """One sequence of a llama.cpp context: sequence 0 of a context of its own, or sequence
     ``seq`` of a group's shared context (which the group owns and frees)."""
 
-    UBATCH = UBATCH
-
     def __init__(
         self, engine: LlamaCppEngine, n_ctx: int, swa_full: bool = False,
         shared: _Context | None = None, seq: int = SEQ,
     ) -> None:  # fmt: skip
         self.engine = engine
         self.seq = seq
-        self.solo_n_ctx = n_ctx
-        """The cells asked for a context of its own (what a row of a group reports as)."""
+        self.n_ctx = n_ctx
+        """The cells asked for (of a context of its own; what a row of a group reports as)."""
         self.own_context: _Context | None = None if shared else _Context(engine, n_ctx, swa_full)
         context = shared or self.own_context
         assert context is not None
@@ -345,28 +301,20 @@ class _Sequence:
         kv_bytes is the whole context's state (one sequence per context): K and V of every cell
         in use, plus a header of about 15 bytes per cell. ``llama_state_seq_get_size`` would
         skip sliding-layer cells outside the window that an iSWA cache still holds.
-
-        A sequence of a group's shared context reports what a context of its own would: its
-        sequence's state plus the header such a context writes (groups hold no iSWA cache, so
-        the sequence's state is all its cells), and the buffers such a context allocates, as
-        measured on one made for the purpose (``LlamaCppEngine.solo_facts``).
         """
-        engine = self.engine
-        if self.own_context is None:
-            solo = engine.solo_facts(self.solo_n_ctx)
-            header = engine.state_header_bytes(
-                self.solo_n_ctx, self.context.n_ctx, self.context.n_seq
-            )
-            kv_bytes = float(lc.llama_state_seq_get_size(self.ctx, self.seq) + header)
-            kv_buffer, compute_buffer = solo.kv_buffer_bytes, solo.compute_buffer_bytes
-        else:
-            kv_bytes = float(lc.llama_state_get_size(self.ctx))
-            kv_buffer, compute_buffer = self.kv_buffer_bytes, self.compute_buffer_bytes
+        return self._figures(
+            float(lc.llama_state_get_size(self.ctx)), self.kv_buffer_bytes,
+            self.compute_buffer_bytes,
+        )  # fmt: skip
+
+    def _figures(
+        self, kv_bytes: float, kv_buffer: float, compute_buffer: float
+    ) -> dict[str, float]:
         return {
             "kv_bytes": kv_bytes,
             "kv_buffer_bytes": kv_buffer,
             "compute_buffer_bytes": compute_buffer,
-            "peak_memory_bytes": engine.model_buffer_bytes + kv_buffer + compute_buffer,
+            "peak_memory_bytes": self.engine.model_buffer_bytes + kv_buffer + compute_buffer,
             # Process-wide and cumulative: the largest resident set so far in this session.
             "process_peak_rss_bytes": float(
                 resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -374,9 +322,9 @@ class _Sequence:
         }
 
     def close(self) -> None:
-        if getattr(self, "own_context", None) is not None:
-            self.own_context.close()  # type: ignore[union-attr]
-            self.own_context = None
+        own, self.own_context = getattr(self, "own_context", None), None
+        if own is not None:
+            own.close()
         self.ctx = None
 
 
@@ -481,8 +429,8 @@ class LlamaCppStream(_Sequence):
 
     def feed(self, token_ids: Sequence[int], logits: bool = True) -> np.ndarray:
         n = len(token_ids)
-        if not 0 < n <= self.UBATCH:
-            raise ValueError(f"feed 1..{self.UBATCH} tokens at a time, got {n}")
+        if not 0 < n <= UBATCH:
+            raise ValueError(f"feed 1..{UBATCH} tokens at a time, got {n}")
         self.make_room(n)
         self._decode(token_ids, self._next_pos, all_logits=logits)
         self.took(n)
@@ -495,52 +443,6 @@ class LlamaCppStream(_Sequence):
 
     def layer_sizes(self) -> list[tuple[int, int]]:
         return []  # llama.cpp holds the same cells in every layer of a non-SWA cache
-
-
-class LlamaCppStreamGroup:
-    """Streams that are sequences of one shared context, one policy each, each sequence with
-    cells of its own (``kv_unified`` off) and its own token ids. Each is evicted with its own
-    seq_rm / seq_add; a decode step sends one token per sequence in one llama_decode, so the
-    weights are read once for all of them (tests/test_batched_runs.py compares every row with
-    the same stream alone)."""
-
-    def __init__(self, engine: LlamaCppEngine, policies: Sequence[Policy], max_tokens: int) -> None:
-        cells = max(_padded(p.cap or max_tokens) for p in policies)
-        self.engine = engine
-        self.context = _Context(engine, cells * len(policies), n_seq=len(policies))
-        self.streams: list[LlamaCppStream] = []
-        try:
-            for seq, policy in enumerate(policies):
-                self.streams.append(
-                    LlamaCppStream(engine, policy, max_tokens, shared=self.context, seq=seq)
-                )
-        except BaseException:
-            self.context.close()
-            raise
-
-    def feed_rows(self, rows: Sequence[int], token_ids: Sequence[int]) -> np.ndarray:
-        chosen = [self.streams[row] for row in rows]
-        for stream in chosen:
-            stream.make_room(1)
-        self.context.decode(
-            token_ids,
-            [stream.next_pos for stream in chosen],
-            [stream.seq for stream in chosen],
-            all_logits=True,
-        )
-        for stream in chosen:
-            stream.took(1)
-        return self.context.logits(len(chosen), self.engine.n_vocab)
-
-    def close(self) -> None:
-        for stream in self.streams:
-            stream.close()
-        self.context.close()
-
-
-def _padded(cells: int) -> int:
-    """llama.cpp's own rounding of a context's cell count (a multiple of 256)."""
-    return -(-cells // 256) * 256
 
 
 @dataclass(frozen=True)
@@ -575,8 +477,8 @@ class LlamaCppPrefixCache(_Sequence):
 
     def extend(self, token_ids: Sequence[int], start: int) -> None:
         """Decode in ubatch-sized chunks, copying the sliding-layer state as the policy says."""
-        for offset in range(0, len(token_ids), self.UBATCH):
-            chunk = token_ids[offset : offset + self.UBATCH]
+        for offset in range(0, len(token_ids), UBATCH):
+            chunk = token_ids[offset : offset + UBATCH]
             self._decode(chunk, start + offset, all_logits=False)
             self._maybe_checkpoint(start + offset + len(chunk))
 

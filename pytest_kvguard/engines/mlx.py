@@ -340,9 +340,10 @@ class _RowStack:
 
 
 class MlxStreamGroup:
-    """Streams whose rotating caches decode the same token in one forward pass of batch
-    len(streams). Batched matmuls round differently from one row's, so scores are close to, not
-    bit-identical with, the same stream decoding alone (tests/test_batched_runs.py bounds it)."""
+    """Streams whose rotating caches each decode their next token in one forward pass, the
+    rows stacked along the batch dimension. Batched matmuls round differently from one row's,
+    so scores are close to, not bit-identical with, the same stream decoding alone
+    (tests/test_batched_runs.py bounds it)."""
 
     def __init__(self, engine: MlxEngine, policies: Sequence[Policy]) -> None:
         self.model = engine.model

@@ -278,7 +278,9 @@ class RunRequest:
     engine: str
     model: ModelRef
     policy: Policy
+    """The cache policy the run feeds through."""
     feed: Feed
+    """The token ids it feeds."""
     lengths: tuple[int, ...] = ()
     """Token counts at which the engine's figures are sampled (besides the cap and the end)."""
     score_from: int | None = 0
@@ -296,7 +298,9 @@ class LaterRequest:
     engine: str
     model: ModelRef
     policy: Policy
+    """The request's policy: whether it can decode with others is known before it is made."""
     make: Callable[[Context], RunRequest]
+    """Builds the request from the context (its engine loaded)."""
 
 
 Planned = RunRequest | LaterRequest

@@ -239,6 +239,8 @@ def run_specs(
     early leaves the group. Without a group they run one after another. In a group every
     run's ``seconds`` is the whole group's wall time.
     """
+    if not specs:
+        return []
     open_group = getattr(engine, "open_stream_group", None)
     if len(specs) > 1 and open_group is None:
         return [run_specs(engine, [spec], progress)[0] for spec in specs]
@@ -264,10 +266,11 @@ def run_specs(
 
 
 def _feed_all(passes: list[_Pass], group: StreamGroup | None, progress: Progress | None) -> None:
-    """Feed every pass to its end. A decode step that every pass still running takes at the
-    same token index (one token each, caches full) goes through the group in one engine call;
-    anything else (the fill up to the cap, where sink counts cut their chunks differently) goes
-    pass by pass, the pass furthest behind first, so the passes meet again at the cap."""
+    """Feed every pass to its end. A call of one token that every pass still running makes at
+    the same token index (past the cap, or where stops cut the fill into single tokens) goes
+    through the group in one engine call: passes of one group key at the same index hold as
+    many entries. Anything else (the fill up to the cap, where sink counts cut their chunks
+    differently) goes pass by pass, the pass furthest behind first, so the passes meet again."""
     total = sum(p.n for p in passes)
     next_report = 0
     while True:
@@ -282,7 +285,7 @@ def _feed_all(passes: list[_Pass], group: StreamGroup | None, progress: Progress
         )
         if together:
             assert group is not None
-            rows = [passes.index(p) for p in live]
+            rows = [row for row, p in enumerate(passes) if p.pending is not None]
             evicted_before = [p.stream.evicted for p in live]
             logits = group.feed_rows(rows, [p.next_token for p in live])
             for k, (one, before) in enumerate(zip(live, evicted_before, strict=True)):

@@ -110,7 +110,9 @@ class RecallFeed:
     fact: str
     question: str
     answer: str
+    """Teacher-forced after the question, every token scored."""
     filler_tokens: int
+    """Tokens of ``text`` between the fact and the question."""
     text: Text
 
     @property
