@@ -92,6 +92,9 @@ class FakeEngine:
 
 
 class FakeStream:
+    feeds: list[tuple[Policy, int]] = []
+    """(policy, tokens) of every call made in this process, for tests to read."""
+
     def __init__(self, policy: Policy) -> None:
         self.policy = policy
         self.positions: list[int] = []  # absolute index of each held token
@@ -118,6 +121,7 @@ class FakeStream:
             os.abort()
         if os.environ.get("KVGUARD_FAKE_HANG") == self.policy.kind:
             threading.Event().wait()
+        FakeStream.feeds.append((self.policy, len(token_ids)))
         cap = None if os.environ.get("KVGUARD_FAKE_NO_CAP") else self.policy.cap
         if cap is not None:
             while self.held + len(token_ids) > cap:

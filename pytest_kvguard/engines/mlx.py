@@ -96,13 +96,28 @@ class MlxEngine:
     def open_stream(self, policy: Policy, max_tokens: int) -> MlxStream:
         return MlxStream(self, policy)
 
-    def group_key(self, policy: Policy) -> tuple[str, int] | None:
-        """Policies with the same key decode together (``open_stream_group``): rotating caches
-        of one cap, fed a token at a time once full, hold the same number of entries at every
-        step whatever their ``keep``, so their keys stack along the batch dimension."""
-        if policy.kind in ("sink", "window") and policy.chunk == 1 and policy.cap is not None:
-            return ("rotating", policy.cap)
-        return None
+    group_figures_own = True
+    """A row of a stream group reports its own memory figures: its cache's bytes throughout,
+    mlx's peak and active memory as measured over the calls it makes alone (its fill and first
+    one-token call), which settle them for a cache whose every layer rotates."""
+
+    def group_key(self, policy: Policy) -> tuple[int, ...] | None:
+        """Policies with the same key decode together (``open_stream_group``): the size of each
+        layer's rotating cache. Caches of the same sizes, fed a token at a time once full, hold
+        as many entries at every step whatever their ``keep``, so their keys stack along the
+        batch dimension. None unless every layer's cache rotates and the policy feeds one token
+        at a time once full."""
+        if policy.chunk != 1 or policy.kind == "full":
+            return None
+        try:
+            caches = make_caches(self.model, policy)
+        except KvguardError:
+            return None
+        if not all(isinstance(c, RotatingKVCache) for c in caches):
+            # A layer that keeps everything goes on growing past the fill, and the run's peak
+            # with it: only a stream of its own measures that.
+            return None
+        return tuple(int(c.max_size) for c in caches)
 
     def open_stream_group(self, policies: Sequence[Policy], max_tokens: int) -> MlxStreamGroup:
         keys = {self.group_key(p) for p in policies}
@@ -247,17 +262,40 @@ def chunk_visibility(max_size: int, keep: int, calls: Sequence[int]) -> list[lis
 
 
 class MlxStream:
-    def __init__(self, engine: MlxEngine, policy: Policy, grouped: bool = False) -> None:
+    def __init__(self, engine: MlxEngine, policy: Policy, group: MlxStreamGroup | None = None):
         # Absolute positions and one-token eviction only: engines.check_policy refuses the rest.
         self.model = engine.model
         self.weight_bytes = engine.weight_bytes
         self.policy = policy
-        self.grouped = grouped
-        """Part of a stream group: mlx's memory counters then measure the whole group."""
+        self.group = group
+        """The stream group this is a row of: mlx's memory counters measure the whole process,
+        so a row's peak and active memory are those of the calls it made alone, one row after
+        another (``feeding``), before the rows decode together."""
+        self.memory: dict[str, float] = {}
+        """Peak and active memory as of the last call measured (every call, when alone)."""
+        self.measured_kv_bytes = 0.0
+        """The cache's bytes when ``memory`` was measured."""
+        self.active_before = 0.0
+        if group is None:
+            self._start_measuring()
+        self.cache = make_caches(self.model, policy)
+
+    def _start_measuring(self) -> None:
         mx.synchronize()
         mx.reset_peak_memory()
-        self.active_before = mx.get_active_memory()
-        self.cache = make_caches(self.model, policy)
+        self.active_before = float(mx.get_active_memory())
+
+    def _measure(self) -> None:
+        """mlx counts every array in the process, other models' weights included: this model's
+        weights plus what the run added on top of what was there when it began."""
+        mx.synchronize()
+        peak = float(mx.get_peak_memory())
+        self.measured_kv_bytes = self._kv_bytes()
+        self.memory = {
+            "peak_memory_bytes": peak - self.active_before + self.weight_bytes,
+            "process_peak_memory_bytes": peak,
+            "active_memory_bytes": float(mx.get_active_memory()) - self.active_before,
+        }
 
     def _rotating(self) -> list[Any]:
         return [c for c in self.cache if isinstance(c, RotatingKVCache)]
@@ -277,36 +315,46 @@ class MlxStream:
         return min(int(c.max_size) - cache_size(c) for c in rotating)
 
     def feed(self, token_ids: Sequence[int], logits: bool = True) -> np.ndarray:
+        """One forward pass of the model over ``token_ids`` with this stream's caches. A row of
+        a group is fed alone through its fill and its first one-token call (``feeding``): its
+        memory is measured over those calls, as a stream of its own measures it throughout."""
+        group = self.group
+        if group is not None and group.measuring is not self and not self.memory:
+            # The row's first call: counters start from here, what other rows hold is theirs.
+            group.measuring = self
+            self._start_measuring()
         try:
             rows = self.model(mx.array(list(token_ids))[None], cache=self.cache)
             if not logits:
                 # The logits are computed all the same (and not copied out): the peak of a
                 # memory run counts them, as a prefill that ends in logits does.
                 mx.eval(rows)
-                return np.empty((0, rows.shape[-1]), dtype=np.float32)
-            out = np.array(rows[0].astype(mx.float32))
+                out = np.empty((0, rows.shape[-1]), dtype=np.float32)
+            else:
+                out = np.array(rows[0].astype(mx.float32))
         except (RuntimeError, ValueError) as exc:
             raise EngineError(f"mlx-lm forward pass failed: {exc}") from None
+        del rows
+        if group is not None and group.measuring is self:
+            self._measure()
         return out
 
+    def _kv_bytes(self) -> float:
+        return float(sum(cache_nbytes(c) for c in self.cache))
+
     def figures(self) -> dict[str, float]:
-        mx.synchronize()
-        own = {
-            "kv_bytes": float(sum(cache_nbytes(c) for c in self.cache)),
+        if self.group is None:
+            self._measure()
+        kv_bytes = self._kv_bytes()
+        figures = {
+            "kv_bytes": kv_bytes,
             "kv_entries_total": float(sum(cache_size(c) for c in self.cache)),
         }
-        if self.grouped:
-            return own  # peak and active memory are the group's, not this policy's
-        return {
-            **own,
-            # mlx counts every array in the process, other models' weights included: this
-            # model's weights plus what the run added on top of what was there when it began.
-            "peak_memory_bytes": float(mx.get_peak_memory())
-            - self.active_before
-            + self.weight_bytes,
-            "process_peak_memory_bytes": float(mx.get_peak_memory()),
-            "active_memory_bytes": float(mx.get_active_memory() - self.active_before),
-        }
+        # A grouped row's memory figures hold while its cache has not grown since they were
+        # measured (a rotating cache, full, does not); otherwise it has none to report.
+        if kv_bytes == self.measured_kv_bytes:
+            figures.update(self.memory)
+        return figures
 
     def layer_sizes(self) -> list[tuple[int, int]]:
         """(offset, size) per layer: tokens seen, and KV entries held."""
@@ -347,9 +395,12 @@ class MlxStreamGroup:
 
     def __init__(self, engine: MlxEngine, policies: Sequence[Policy]) -> None:
         self.model = engine.model
-        self.streams: list[MlxStream] = [MlxStream(engine, p, grouped=True) for p in policies]
+        self.measuring: MlxStream | None = None
+        """The row whose calls alone mlx's memory counters measure now, if any."""
+        self.streams: list[MlxStream] = [MlxStream(engine, p, self) for p in policies]
 
     def feed_rows(self, rows: Sequence[int], token_ids: Sequence[int]) -> np.ndarray:
+        self.measuring = None  # the counters now count every row
         chosen = [self.streams[row] for row in rows]
         per_layer = zip(*(stream.cache for stream in chosen), strict=True)
         layers = [_RowStack(list(row_caches)) for row_caches in per_layer]

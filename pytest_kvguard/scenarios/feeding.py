@@ -147,6 +147,7 @@ class _Pass:
         self.first_eviction: int | None = None
         self.samples: list[StreamSample] = []
         self.done = 0
+        self._one_alone = False
         self._sizes = chunks(stream, spec.policy, n, self.points)
         self.pending: int | None = next(self._sizes, None)
         """The size of the next engine call; None once every token is fed."""
@@ -159,9 +160,16 @@ class _Pass:
     def next_token(self) -> int:
         return int(self.token_ids[self.done])
 
+    @property
+    def fed_one_alone(self) -> bool:
+        """Whether the pass has made a one-token call of its own on a full cache, or has no
+        more to feed."""
+        return self.pending is None or self._one_alone
+
     def feed_alone(self) -> None:
         assert self.pending is not None
         size, evicted_before = self.pending, self.stream.evicted
+        self._one_alone = self._one_alone or (size == 1 and self.stream.room() == 0)
         logits = self.stream.feed(
             self.token_ids[self.done : self.done + size], logits=self.wants_logits(size)
         )
@@ -266,24 +274,32 @@ def run_specs(
 
 
 def _feed_all(passes: list[_Pass], group: StreamGroup | None, progress: Progress | None) -> None:
-    """Feed every pass to its end. A call of one token that every pass still running makes at
-    the same token index (past the cap, or where stops cut the fill into single tokens) goes
-    through the group in one engine call: passes of one group key at the same index hold as
-    many entries. Anything else (the fill up to the cap, where sink counts cut their chunks
-    differently) goes pass by pass, the pass furthest behind first, so the passes meet again."""
+    """Feed every pass to its end.
+
+    In a group, each pass is first fed alone, one pass after another, through its fill and its
+    first one-token call: until then it runs exactly as it would in a stream of its own, so an
+    engine can measure figures its group rows cannot split (mlx's peak memory) over that part.
+    From then on a call of one token that every pass still running makes at the same token
+    index (past the cap) goes through the group in one engine call: passes of one group key at
+    the same index hold as many entries. Anything else goes pass by pass, the pass furthest
+    behind first, so the passes meet again."""
     total = sum(p.n for p in passes)
     next_report = 0
     while True:
         live = [p for p in passes if p.pending is not None]
         if not live:
             return
+        filling = [p for p in live if group is not None and not p.fed_one_alone]
         behind = min(p.done for p in live)
         together = (
             group is not None
+            and not filling
             and len(live) > 1
             and all(p.done == behind and p.pending == 1 for p in live)
         )
-        if together:
+        if filling:
+            filling[0].feed_alone()
+        elif together:
             assert group is not None
             rows = [row for row, p in enumerate(passes) if p.pending is not None]
             evicted_before = [p.stream.evicted for p in live]
