@@ -86,7 +86,9 @@ def percent(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value >= 0:
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number: write e.g. 0.1")
+    if value < 0:
         raise argparse.ArgumentTypeError(f"{text} is below 0: write a percentage >= 0")
     return value
 

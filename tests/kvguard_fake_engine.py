@@ -16,6 +16,7 @@ import os
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 
@@ -72,7 +73,7 @@ class FakeEngine:
         return FakePrefixCache(policy)
 
     def group_key(self, policy: Policy) -> tuple[str, int] | None:
-        """As mlx's: capped policies fed a token at a time, one group per cap."""
+        """Capped policies fed a token at a time, one group per cap (as both real engines)."""
         if policy.kind in ("sink", "window") and policy.chunk == 1 and policy.cap is not None:
             return ("capped", policy.cap)
         return None
@@ -92,7 +93,7 @@ class FakeEngine:
 
 
 class FakeStream:
-    feeds: list[tuple[Policy, int]] = []
+    feeds: ClassVar[list[tuple[Policy, int]]] = []
     """(policy, tokens) of every call made in this process, for tests to read."""
 
     def __init__(self, policy: Policy) -> None:

@@ -92,6 +92,11 @@ def test_mlx_refuses_a_group_whose_caches_differ_in_size(kvguard_runner: Runner)
     assert engine.group_key(mixed[0]) != engine.group_key(mixed[1])  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="cannot decode together"):
         engine.open_stream_group(mixed, 300)  # type: ignore[attr-defined]
+    # Caches that keep everything grow past the point where a row joins a group: never grouped
+    # (engine_default is the model's own make_cache() on this mlx-lm: a KVCache per layer).
+    for kind in ("full", "engine_default"):
+        policy = make_policy(kind, cap=256, positions="absolute")
+        assert engine.group_key(policy) is None, kind  # type: ignore[attr-defined]
 
 
 def assert_same_run(together: StreamRun, alone: StreamRun, *, figures: bool = True) -> None:

@@ -72,3 +72,7 @@ def test_a_figure_that_becomes_nan_is_a_difference_at_any_tolerance(
     with pytest.raises(SystemExit):
         run(tmp_path, new(), "--tolerance", "-1")
     assert "below 0" in capsys.readouterr().err
+    for bad in ("nan", "inf"):
+        with pytest.raises(SystemExit):
+            run(tmp_path, new(), "--tolerance", bad)
+        assert "not a finite number" in capsys.readouterr().err

@@ -72,6 +72,7 @@ class MlxEngine:
             self.facts = {"weights": "mlx_lm.load", "architecture": self.model.model_type}
             self._encode = tokenizer.encode
             self._render = lambda messages: tokenizer.apply_chat_template(messages, tokenize=False)
+        self._group_keys: dict[Policy, tuple[str, int] | None] = {}
         self.kv_element_bytes = float(_float_dtype(self.model).size)
         self.weight_bytes = float(_weight_bytes(self.model))
         """Caches take the activations' dtype: float32 for a dequantized GGUF, else the model's."""
@@ -101,23 +102,26 @@ class MlxEngine:
     mlx's peak and active memory as measured over the calls it makes alone (its fill and first
     one-token call), which settle them for a cache whose every layer rotates."""
 
-    def group_key(self, policy: Policy) -> tuple[int, ...] | None:
-        """Policies with the same key decode together (``open_stream_group``): the size of each
-        layer's rotating cache. Caches of the same sizes, fed a token at a time once full, hold
-        as many entries at every step whatever their ``keep``, so their keys stack along the
-        batch dimension. None unless every layer's cache rotates and the policy feeds one token
-        at a time once full."""
+    def group_key(self, policy: Policy) -> tuple[str, int] | None:
+        """Policies with the same key decode together (``open_stream_group``): every layer a
+        ``RotatingKVCache`` of one size. Such caches, fed a token at a time once full, hold as
+        many entries at every step whatever their ``keep``, so their keys stack along the batch
+        dimension; and once full they grow no more, so a row's memory measured up to then is
+        its run's. None for anything else (a layer that keeps everything, or rotates at another
+        size, goes on growing past the point where the row joins the group)."""
         if policy.chunk != 1 or policy.kind == "full":
             return None
-        try:
-            caches = make_caches(self.model, policy)
-        except KvguardError:
-            return None
-        if not all(isinstance(c, RotatingKVCache) for c in caches):
-            # A layer that keeps everything goes on growing past the fill, and the run's peak
-            # with it: only a stream of its own measures that.
-            return None
-        return tuple(int(c.max_size) for c in caches)
+        if policy not in self._group_keys:
+            try:
+                caches = make_caches(self.model, policy)
+            except KvguardError:
+                caches = []
+            sizes = {int(c.max_size) for c in caches if isinstance(c, RotatingKVCache)}
+            rotating = bool(caches) and all(isinstance(c, RotatingKVCache) for c in caches)
+            self._group_keys[policy] = (
+                ("rotating", sizes.pop()) if rotating and len(sizes) == 1 else None
+            )
+        return self._group_keys[policy]
 
     def open_stream_group(self, policies: Sequence[Policy], max_tokens: int) -> MlxStreamGroup:
         keys = {self.group_key(p) for p in policies}
@@ -262,7 +266,9 @@ def chunk_visibility(max_size: int, keep: int, calls: Sequence[int]) -> list[lis
 
 
 class MlxStream:
-    def __init__(self, engine: MlxEngine, policy: Policy, group: MlxStreamGroup | None = None):
+    def __init__(
+        self, engine: MlxEngine, policy: Policy, group: MlxStreamGroup | None = None
+    ) -> None:
         # Absolute positions and one-token eviction only: engines.check_policy refuses the rest.
         self.model = engine.model
         self.weight_bytes = engine.weight_bytes
@@ -272,7 +278,8 @@ class MlxStream:
         so a row's peak and active memory are those of the calls it made alone, one row after
         another (``feeding``), before the rows decode together."""
         self.memory: dict[str, float] = {}
-        """Peak and active memory as of the last call measured (every call, when alone)."""
+        """Peak and active memory as last measured: at each sample point when alone, after
+        each call it made alone when a row of a group."""
         self.measured_kv_bytes = 0.0
         """The cache's bytes when ``memory`` was measured."""
         self.active_before = 0.0
@@ -319,10 +326,13 @@ class MlxStream:
         a group is fed alone through its fill and its first one-token call (``feeding``): its
         memory is measured over those calls, as a stream of its own measures it throughout."""
         group = self.group
-        if group is not None and group.measuring is not self and not self.memory:
-            # The row's first call: counters start from here, what other rows hold is theirs.
-            group.measuring = self
-            self._start_measuring()
+        if group is not None and group.measuring is not self:
+            if self.memory:
+                group.measuring = None  # a measured row fed alone again: no one's figures now
+            else:
+                # The row's first call: counters start here, what other rows hold is theirs.
+                group.measuring = self
+                self._start_measuring()
         try:
             rows = self.model(mx.array(list(token_ids))[None], cache=self.cache)
             if not logits:
