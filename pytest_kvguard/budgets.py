@@ -212,6 +212,46 @@ class Budgets:
         "edit_replay: cache state plus checkpoints after the first prompt; bytes or '24 MiB'.",
     )
 
+    min_sink_heads_pct: float | None = _limit(
+        "sink_heads_pct",
+        "min",
+        "%",
+        "sink heads",
+        "share of heads that park their attention on the first tokens",
+        "attention: percent of (layer, head) pairs whose mean mass on the first `sinks` tokens "
+        "is at least `sink_threshold` percent.",
+        span=(0.0, 100.0),
+    )
+    max_sink_position: float | None = _limit(
+        "sink_position",
+        "max",
+        "",
+        "sink pos",
+        "position of the sink token",
+        "attention: the sink (the position every query sees that draws the most mean mass) "
+        "must be at or before this index; a template or tokenizer change that moves it fails.",
+    )
+    min_sink_mass_pct: float | None = _limit(
+        "sink_mass_pct",
+        "min",
+        "%",
+        "sink mass",
+        "mean attention mass on the first tokens",
+        "attention: mean over layers, heads and queries of the mass on the first `sinks` "
+        "tokens, in %.",
+        span=(0.0, 100.0),
+    )
+    max_sink_mass_diff_pct: float | None = _limit(
+        "sink_mass_diff_pct",
+        "max",
+        " pt",
+        "sink diff",
+        "largest per-head difference in mass on the first tokens between engines",
+        "attention_parity: the largest |mass(B) - mass(A)| over layers and heads, mass on the "
+        "first `sinks` tokens in percentage points.",
+        span=(0.0, 100.0),
+    )
+
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)

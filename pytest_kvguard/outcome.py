@@ -54,6 +54,9 @@ class Outcome:
     against: dict[str, Any] | None = None
     """With --kvguard-against: the other run (python, engine_version, verdict, metrics,
     violations), or its error; None without an upgrade preview."""
+    explanation: dict[str, Any] | None = None
+    """A stream or sweep check that broke a budget: the engine's sink heads on this model and
+    the sinks the policy kept (``scenarios.attention.explain_sinks``); else None."""
 
     @property
     def verdict(self) -> str:

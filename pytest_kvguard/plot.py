@@ -115,3 +115,40 @@ def write_sweep_plot(rows: Sequence[Row], path: Path) -> int:
     ax.legend(fontsize="small")
     _save(fig, path)
     return lines
+
+
+def write_sink_heads_plot(rows: Sequence[Row], path: Path) -> int:
+    """A layer x head heatmap of attention mass on the first tokens: one panel per attention
+    check, and one per red stream or sweep check (its engine's sink heads, which a policy that
+    evicts the first tokens takes their sink from). Returns the panels drawn (0: no file)."""
+    panels = []
+    for row in rows:
+        if not isinstance(row, Outcome):
+            continue
+        if row.scenario == "attention":
+            panels.append((row, row.detail.head_sink_mass, f"sink token {row.detail.sink_token!r}"))
+        elif row.explanation is not None:
+            kept = row.explanation["sinks_kept"]
+            panels.append(
+                (row, row.explanation["head_sink_mass"], f"{row.verdict}: keeps {kept} sinks")
+            )
+    if not panels:
+        return 0
+    plt = _pyplot()
+    columns = min(4, len(panels))
+    n_rows = -(-len(panels) // columns)
+    fig, axes = plt.subplots(
+        n_rows, columns, figsize=(3.6 * columns, 4.8 * n_rows), squeeze=False, layout="constrained"
+    )
+    for spare in axes.flat[len(panels) :]:
+        spare.set_visible(False)
+    image = None
+    for ax, (row, mass, note) in zip(axes.flat, panels, strict=False):
+        image = ax.imshow(mass, vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto",
+                          interpolation="nearest")  # fmt: skip
+        ax.set_title(f"{row.name}\n{row.model} on {row.engine}\n{note}", fontsize="small")
+        ax.set_xlabel("head")
+        ax.set_ylabel("layer")
+    fig.colorbar(image, ax=axes, shrink=0.6, label="attention mass on the first 4 tokens")
+    _save(fig, path)
+    return len(panels)

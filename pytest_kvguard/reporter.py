@@ -15,7 +15,7 @@ import pytest
 
 from pytest_kvguard.baseline import render_preview
 from pytest_kvguard.outcome import CheckError, Row, row_from_json
-from pytest_kvguard.plot import plot_path, write_kv_plot, write_sweep_plot
+from pytest_kvguard.plot import plot_path, write_kv_plot, write_sink_heads_plot, write_sweep_plot
 from pytest_kvguard.report import build_report, machine, render_table, step_summary, write_json
 from pytest_kvguard.session import BASELINE_KEY, BUDGETS_KEY, PROPERTY
 
@@ -82,7 +82,11 @@ class KvguardReporter:
         try:
             write_json(self.json_path, report)
             if self.plot:
-                for kind, write in (("kv-bytes", write_kv_plot), ("sink-sweep", write_sweep_plot)):
+                for kind, write in (
+                    ("kv-bytes", write_kv_plot),
+                    ("sink-sweep", write_sweep_plot),
+                    ("sink-heads", write_sink_heads_plot),
+                ):
                     target = plot_path(self.json_path, kind)
                     if write(rows, target):
                         self.plot_paths.append(target)

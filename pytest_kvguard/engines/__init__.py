@@ -104,9 +104,29 @@ class PrefixCache(Protocol):
     def close(self) -> None: ...
 
 
+@dataclass(frozen=True)
+class AttentionRows:
+    """Attention probabilities an engine computed under the full cache (``Engine.attention``)."""
+
+    probs: np.ndarray
+    """(layer, head, query, key position) float32; key positions 0 .. the last query."""
+    how: str
+    """How they were read, in one line (for the report)."""
+    seconds: float
+    reconstruction_error: float | None = None
+    """Where the probabilities were computed beside a fused kernel: the largest
+    |probs @ V - the kernel's output| over the rows read; None where read from the engine."""
+    learned_sinks: bool = False
+    """The model has learned sink logits (gpt-oss): rows sum to less than 1."""
+
+
 @runtime_checkable
 class Engine(Protocol):
     """A loaded model in a real inference engine.
+
+    An adapter may also offer ``attention(token_ids, queries) -> AttentionRows`` (its own
+    attention probabilities for those query positions under a full cache), ``bos_id`` and
+    ``token_piece(token_id) -> str`` (the attention scenario).
 
     An adapter may also offer ``group_key(policy) -> Hashable | None`` and
     ``open_stream_group(policies, max_tokens) -> StreamGroup``: policies with the same non-None

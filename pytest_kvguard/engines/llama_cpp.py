@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import resource
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Any
 import llama_cpp as lc
 import numpy as np
 
-from pytest_kvguard.engines import EngineOptions
+from pytest_kvguard.engines import AttentionRows, EngineOptions
 from pytest_kvguard.engines.conversation import Turn, converse_through_stream
 from pytest_kvguard.engines.llama_log import buffer_mib, captured_log, init_backend, log_excerpt
 from pytest_kvguard.errors import EngineError, KvguardError
@@ -77,6 +78,13 @@ def _render_chat(model: Any, messages: Sequence[Mapping[str, str]]) -> str:
     raise EngineError("chat template output did not fit")
 
 
+def _token_piece(vocab: Any, token_id: int) -> str:
+    """The token's text, special tokens spelt out (``<bos>``)."""
+    buffer = ctypes.create_string_buffer(256)
+    n = lc.llama_token_to_piece(vocab, token_id, buffer, 256, 0, True)
+    return buffer.raw[: max(n, 0)].decode("utf-8", errors="replace")
+
+
 BUILTIN_TEMPLATES = {"gemma3": b"gemma", "gemma2": b"gemma", "gemma": b"gemma"}
 """llama.cpp built-in template names, for GGUF files that carry no template."""
 
@@ -98,6 +106,14 @@ class GgufVocab:
 
     def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
         return _render_chat(self.model, messages)
+
+    @property
+    def bos_id(self) -> int | None:
+        bos = int(lc.llama_vocab_bos(self.vocab))
+        return None if bos < 0 else bos
+
+    def token_piece(self, token_id: int) -> str:
+        return _token_piece(self.vocab, token_id)
 
     def __del__(self) -> None:
         if getattr(self, "model", None):
@@ -147,6 +163,34 @@ class LlamaCppEngine:
 
     def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
         return _render_chat(self.model, messages)
+
+    @property
+    def bos_id(self) -> int | None:
+        bos = int(lc.llama_vocab_bos(self.vocab))
+        return None if bos < 0 else bos
+
+    def token_piece(self, token_id: int) -> str:
+        return _token_piece(self.vocab, token_id)
+
+    def attention(self, token_ids: Sequence[int], queries: Sequence[int]) -> AttentionRows:
+        """llama.cpp's own ``kq_soft_max`` tensors for the query positions (``llama_attention``)."""
+        from pytest_kvguard.engines.llama_attention import SOFTMAX, capture
+
+        started = time.perf_counter()
+        tensors = capture(self, token_ids, queries)
+        n_layers = lc.llama_model_n_layer(self.model)
+        missing = [i for i in range(n_layers) if f"{SOFTMAX}-{i}" not in tensors]
+        if missing:
+            raise EngineError(
+                f"llama.cpp computed no {SOFTMAX} for layers {missing}: this build names its "
+                "attention probabilities otherwise, so kvguard cannot read them"
+            )
+        probs = np.stack([tensors[f"{SOFTMAX}-{i}"][0] for i in range(n_layers)])
+        return AttentionRows(
+            probs,
+            "llama.cpp kq_soft_max tensors via cb_eval, flash attention off",
+            time.perf_counter() - started,
+        )
 
     def open_stream(self, policy: Policy, max_tokens: int) -> LlamaCppStream:
         return LlamaCppStream(self, policy, max_tokens)

@@ -16,6 +16,7 @@ BLAS_PATH = preload_openblas()
 
 # The engine is imported only after the BLAS choice above.
 import importlib.metadata  # noqa: E402
+import time  # noqa: E402
 from collections.abc import Mapping, Sequence  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
@@ -30,7 +31,7 @@ from mlx_lm.models.cache import (  # noqa: E402
     trim_prompt_cache,
 )
 
-from pytest_kvguard.engines import EngineOptions  # noqa: E402
+from pytest_kvguard.engines import AttentionRows, EngineOptions  # noqa: E402
 from pytest_kvguard.engines.conversation import Turn  # noqa: E402
 from pytest_kvguard.engines.mlx_gguf import load_gguf_model  # noqa: E402
 from pytest_kvguard.errors import EngineError, KvguardError  # noqa: E402
@@ -64,6 +65,8 @@ class MlxEngine:
             self._tokenizer = _gguf_tokenizer(model_path)
             self._encode = self._tokenizer.tokenize
             self._render = self._tokenizer.render_chat
+            self._piece = self._tokenizer.token_piece
+            self.bos_id: int | None = self._tokenizer.bos_id
         else:
             # An mlx-lm model folder, or a hub id on machines that can reach the hub.
             from mlx_lm import load as mlx_load
@@ -71,6 +74,8 @@ class MlxEngine:
             self.model, tokenizer = mlx_load(str(model_path))[:2]
             self.facts = {"weights": "mlx_lm.load", "architecture": self.model.model_type}
             self._encode = tokenizer.encode
+            self._piece = lambda token_id: tokenizer.decode([token_id])
+            self.bos_id = tokenizer.bos_token_id
             self._render = lambda messages: tokenizer.apply_chat_template(messages, tokenize=False)
         self._group_keys: dict[Policy, tuple[str, int] | None] = {}
         self.kv_element_bytes = float(_float_dtype(self.model).size)
@@ -93,6 +98,23 @@ class MlxEngine:
 
     def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
         return str(self._render(messages))
+
+    def token_piece(self, token_id: int) -> str:
+        return str(self._piece(token_id))
+
+    def attention(self, token_ids: Sequence[int], queries: Sequence[int]) -> AttentionRows:
+        """The softmax of the queries and keys mlx-lm's layers pass (``mlx_attention``)."""
+        from pytest_kvguard.engines.mlx_attention import capture
+
+        started = time.perf_counter()
+        probs, error, learned_sinks = capture(self.model, token_ids, queries)
+        return AttentionRows(
+            probs,
+            "softmax(QK^T) of the arrays mlx-lm's layers pass to its fused attention",
+            time.perf_counter() - started,
+            reconstruction_error=error,
+            learned_sinks=learned_sinks,
+        )
 
     def open_stream(self, policy: Policy, max_tokens: int) -> MlxStream:
         return MlxStream(self, policy)

@@ -9,6 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from pytest_kvguard.scenarios import (
+    attention,
+    attention_parity,
     edit_replay,
     generate,
     memory,
@@ -29,6 +31,8 @@ SCENARIOS: dict[str, Scenario[Any]] = {
         sweep.SCENARIO,
         recall.SCENARIO,
         generate.SCENARIO,
+        attention.SCENARIO,
+        attention_parity.SCENARIO,
     )
 }
 

@@ -1,0 +1,153 @@
+"""mlx-lm's attention probabilities, from the queries, keys, mask and scale its layers pass.
+
+mlx-lm's layers call ``scaled_dot_product_attention`` (``mlx_lm.models.base``), imported by
+name into each model module; it runs mlx's fused kernel, which never materialises the
+probabilities. While a capture runs, that name in the model's module points at a wrapper that
+calls the original (so the model computes exactly what it always does) and, for the wanted
+query rows, also computes ``softmax(Q K^T * scale + mask)`` from the very arrays the layer
+passed: the keys after RoPE and the cache, the layer's own mask and scale. ``probs @ V`` is
+compared with the fused kernel's output on those rows, so a capture that is not the
+attention the engine ran shows as a reconstruction error.
+"""
+
+from __future__ import annotations
+
+from pytest_kvguard.engines.blas import preload_openblas
+
+preload_openblas()
+
+# mlx is imported only after the BLAS choice above.
+import contextlib  # noqa: E402
+import sys  # noqa: E402
+from collections.abc import Iterator, Sequence  # noqa: E402
+from typing import Any  # noqa: E402
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+from mlx_lm.models.cache import KVCache  # noqa: E402
+
+from pytest_kvguard.errors import EngineError  # noqa: E402
+
+CHUNK = 512
+"""Tokens per forward call while filling the cache (as llama.cpp's batch)."""
+
+
+class _Recorder:
+    """Keeps, per layer call of one forward, the wanted rows' probabilities."""
+
+    def __init__(self, original: Any, rows: Sequence[int], width: int) -> None:
+        self.original = original
+        self.rows = sorted(rows)
+        self.width = width
+        """Key positions kept: 0 .. the last wanted row."""
+        self.layer = 0
+        self.probs: dict[int, list[np.ndarray]] = {}
+        """Per layer, (n_head, rows of a call, width) arrays, one per forward call."""
+        self.max_error = 0.0
+        """The largest |probs @ V - fused output| over the rows kept."""
+        self.learned_sinks = False
+        """A layer passed learned sink logits (gpt-oss)."""
+
+    def __call__(self, queries: Any, keys: Any, values: Any, *args: Any, **kwargs: Any) -> Any:
+        out = self.original(queries, keys, values, *args, **kwargs)
+        layer, self.layer = self.layer, self.layer + 1
+        n_queries, n_keys = queries.shape[2], keys.shape[2]
+        first = n_keys - n_queries  # a full cache: key j is position j
+        local = [r - first for r in self.rows if 0 <= r - first < n_queries]
+        if not local:
+            return out
+        scale = float(kwargs["scale"] if "scale" in kwargs else args[1])
+        mask = kwargs.get("mask", args[2] if len(args) > 2 else None)
+        sinks = kwargs.get("sinks", args[3] if len(args) > 3 else None)
+        self.learned_sinks = self.learned_sinks or sinks is not None
+        probs = attention_probs(queries, keys, scale, mask, local, sinks)
+        repeats = queries.shape[1] // keys.shape[1]
+        expected = probs @ mx.repeat(values, repeats, axis=1).astype(mx.float32)
+        got = out[:, :, mx.array(local), :].astype(mx.float32)
+        self.max_error = max(self.max_error, float(mx.abs(expected - got).max()))
+        kept = np.array(probs[0, :, :, : self.width])
+        kept = np.pad(kept, [(0, 0), (0, 0), (0, self.width - kept.shape[-1])])
+        self.probs.setdefault(layer, []).append(kept)
+        return out
+
+
+def attention_probs(
+    queries: Any, keys: Any, scale: float, mask: Any, local: Sequence[int], sinks: Any = None
+) -> Any:
+    """softmax(Q K^T * scale + mask) in float32 for the query rows ``local`` of this call:
+    (batch, n_head, len(local), n_keys). A query head ``h`` reads key head ``h // repeats``,
+    as mlx's kernel does. Learned sink logits (gpt-oss), where given, join the normalisation
+    and are dropped after it: the rows then sum to 1 minus the mass they took."""
+    n_queries, n_keys = queries.shape[2], keys.shape[2]
+    rows = mx.array(list(local))
+    repeats = queries.shape[1] // keys.shape[1]
+    q = queries[:, :, rows, :].astype(mx.float32)
+    k = mx.repeat(keys, repeats, axis=1).astype(mx.float32)
+    scores = (q * scale) @ k.swapaxes(-1, -2)
+    if isinstance(mask, str):  # "causal": query i sits at position n_keys - n_queries + i
+        allowed = (rows + n_keys - n_queries)[:, None] >= mx.arange(n_keys)[None]
+        scores = mx.where(allowed, scores, -mx.inf)
+    elif mask is not None:
+        picked = mx.take(mask, rows, axis=-2)
+        if picked.dtype == mx.bool_:
+            scores = mx.where(picked, scores, -mx.inf)
+        else:
+            scores = scores + picked.astype(mx.float32)
+    if sinks is not None:
+        sink = mx.broadcast_to(
+            sinks.astype(mx.float32)[None, :, None, None], (*scores.shape[:-1], 1)
+        )
+        return mx.softmax(mx.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
+    return mx.softmax(scores, axis=-1)
+
+
+def model_module(model: Any) -> Any:
+    """The module that defines the model's attention layers (where the name is looked up)."""
+    inner = getattr(model, "model", None) or getattr(model, "language_model", None) or model
+    layers = getattr(inner, "layers", None)
+    if not layers:
+        raise EngineError(f"mlx model {type(model).__name__} has no .layers to capture")
+    attention = getattr(layers[0], "self_attn", None)
+    module = sys.modules[type(attention if attention is not None else layers[0]).__module__]
+    if not hasattr(module, "scaled_dot_product_attention"):
+        raise EngineError(
+            f"{module.__name__} does not call mlx-lm's scaled_dot_product_attention by name, so "
+            "its attention probabilities cannot be captured"
+        )
+    return module
+
+
+@contextlib.contextmanager
+def _patched(module: Any, recorder: _Recorder) -> Iterator[None]:
+    original = module.scaled_dot_product_attention
+    module.scaled_dot_product_attention = recorder
+    try:
+        yield
+    finally:
+        module.scaled_dot_product_attention = original
+
+
+def capture(
+    model: Any, token_ids: Sequence[int], rows: Sequence[int]
+) -> tuple[np.ndarray, float, bool]:
+    """Feed ``token_ids`` up to the last wanted row through full ``KVCache``s, ``CHUNK`` tokens
+    per call, and return the attention probabilities (layer, head, row, key position) of the
+    rows ``rows`` (ascending), the largest reconstruction error (see the module doc), and
+    whether the model has learned sink logits."""
+    module = model_module(model)
+    width = max(rows) + 1
+    recorder = _Recorder(module.scaled_dot_product_attention, rows, width)
+    n_layers = len(model.layers)
+    caches = [KVCache() for _ in range(n_layers)]
+    with _patched(module, recorder):
+        for start in range(0, width, CHUNK):
+            recorder.layer = 0
+            chunk = mx.array(list(token_ids[start : min(start + CHUNK, width)]))[None]
+            mx.eval(model(chunk, cache=caches))
+            if recorder.layer != n_layers:
+                raise EngineError(
+                    f"{module.__name__}: {recorder.layer} attention calls for {n_layers} layers; "
+                    "kvguard cannot tell which layer each call belongs to"
+                )
+    probs = np.stack([np.concatenate(recorder.probs[i], axis=1) for i in range(n_layers)])
+    return probs, recorder.max_error, recorder.learned_sinks

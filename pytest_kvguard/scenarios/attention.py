@@ -1,0 +1,363 @@
+"""Scenario ``attention``: where each layer and head puts its attention, read from the engine.
+
+Over a text, under the full cache, the attention probabilities of chosen query positions are
+read from the engine itself (llama.cpp: its ``kq_soft_max`` tensors through the graph callback,
+flash attention off; mlx-lm: the softmax of the queries and keys its layers pass, checked
+against its fused kernel's output). From them: the sink token (the position that draws the
+most attention from every query), the mass each head puts on the first k tokens (k = 1..8) and
+on the most recent window, and the share of sink heads. A red stream check is explained here:
+evict the first tokens and the sink heads lose what they park their attention on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from pytest_kvguard.engines import AttentionRows
+from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.models import ModelRef
+from pytest_kvguard.scenarios.base import (
+    TEXT,
+    Check,
+    Context,
+    Fields,
+    Measured,
+    Param,
+    Scenario,
+    ascending_counts,
+    require_text_room,
+)
+from pytest_kvguard.texts import Text, load_text
+
+FIRST_K = 8
+"""Mass on the first k tokens is reported for k = 1 .. FIRST_K."""
+ROW_SUM_TOLERANCE = 1e-3
+"""A captured row's probabilities must sum to 1 within this (else the capture is wrong)."""
+RECONSTRUCTION_TOLERANCE = 1e-3
+"""mlx: |probs @ V - the fused kernel's output| may not exceed this on a captured row."""
+BOS_MODES = ("model", "drop", "add")
+
+ATTENTION_TOKENS = Param(
+    "tokens",
+    "int",
+    512,
+    "token ids fed; the queries sit in their second half by default (past a 256 cap, inside "
+    "Gemma 3's 512 sliding window)",
+    minimum=16,
+)
+QUERIES = Param(
+    "queries",
+    "ints",
+    None,
+    "query positions whose attention is read (default: 8 spread over the second half of tokens)",
+    minimum=0,
+)
+SINK_SPAN = Param(
+    "sinks",
+    "int",
+    4,
+    "leading tokens whose attention mass makes a head a sink head (as a sink policy keeps)",
+    minimum=1,
+)
+SINK_THRESHOLD = Param(
+    "sink_threshold",
+    "int",
+    50,
+    "percent of a head's attention (mean over the queries) on the first `sinks` tokens that "
+    "makes it a sink head",
+    minimum=1,
+)
+RECENT = Param(
+    "recent",
+    "int",
+    64,
+    "the most recent tokens (the query's own included) whose attention mass is reported",
+    minimum=1,
+)
+BOS = Param(
+    "bos",
+    "str",
+    "model",
+    "model: the tokenizer's ids as they are; drop: remove a leading BOS; add: put BOS in front "
+    "(a template that stops or starts emitting it)",
+)
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    tokens: int
+    text: str
+    queries: tuple[int, ...]
+    sinks: int
+    sink_threshold: int
+    recent: int
+    bos: str
+
+
+def default_queries(tokens: int) -> tuple[int, ...]:
+    """8 positions spread evenly over the second half of the tokens, the last one included."""
+    return tuple(int(q) for q in np.unique(np.linspace(tokens // 2, tokens - 1, 8).round()))
+
+
+@dataclass(frozen=True)
+class AttentionDetail:
+    sink_token: str
+    """The sink token's text, as the engine's vocabulary spells it."""
+    first_ids: list[int]
+    """The first token ids fed (a BOS shows here)."""
+    queries: list[int]
+    sink_mass_by_k: list[float]
+    """Mean mass (over layers, heads, queries) on the first k tokens, k = 1 .. 8."""
+    layer_sink_mass: list[float]
+    """Per layer, mean mass on the first ``sinks`` tokens."""
+    head_sink_mass: list[list[float]]
+    """Per layer and head, mean mass (over the queries) on the first ``sinks`` tokens."""
+    how: str
+    """How the engine's probabilities were read, in one line."""
+
+
+def sink_figures(
+    probs: np.ndarray, queries: Sequence[int], sinks: int, threshold_pct: int, recent: int
+) -> tuple[dict[str, float], dict[str, Any]]:
+    """The gated figures and the detail's arrays from probabilities (layer, head, query, key).
+
+    The sink position is the key before every query's recent window that draws the largest
+    mean mass: a position every query sees, so a token is not a sink for being recent.
+    """
+    head_mass = probs[..., :sinks].sum(-1).mean(-1)  # (layer, head)
+    seen_by_all = max(1, min(queries) - recent + 1)
+    mean_per_key = probs[..., :seen_by_all].mean(axis=(0, 1, 2))
+    sink_position = int(mean_per_key.argmax())
+    recent_mass = np.stack(
+        [probs[:, :, i, max(0, q - recent + 1) : q + 1].sum(-1) for i, q in enumerate(queries)],
+        axis=-1,
+    )
+    row_sums = probs.sum(-1)
+    metrics = {
+        "sink_position": float(sink_position),
+        "sink_position_mass_pct": float(mean_per_key[sink_position]) * 100.0,
+        "sink_heads_pct": float((head_mass * 100.0 >= threshold_pct).mean()) * 100.0,
+        "sink_mass_pct": float(head_mass.mean()) * 100.0,
+        "recent_mass_pct": float(recent_mass.mean()) * 100.0,
+        "max_row_sum_error": float(np.abs(row_sums - 1.0).max()),
+    }
+    detail = {
+        "sink_mass_by_k": [float(probs[..., :k].sum(-1).mean()) for k in range(1, FIRST_K + 1)],
+        "layer_sink_mass": [float(v) for v in head_mass.mean(-1)],
+        "head_sink_mass": [[float(v) for v in layer] for layer in head_mass],
+    }
+    return metrics, detail
+
+
+def with_bos(ids: list[int], bos_id: int | None, mode: str) -> list[int]:
+    """The ids with a leading BOS dropped or added as ``mode`` says."""
+    if mode == "model":
+        return ids
+    if bos_id is None:
+        raise KvguardError(f"bos: {mode} needs a model with a BOS token; this one has none")
+    starts = bool(ids) and ids[0] == bos_id
+    if mode == "drop":
+        return ids[1:] if starts else ids
+    return ids if starts else [bos_id, *ids]
+
+
+def capture(
+    ctx: Context, engine_name: str, model: ModelRef, text: Text, spec: AttentionSpec
+) -> tuple[AttentionRows, list[int], bool]:
+    """The engine's attention rows for the spec's queries (memoised per session: a parity
+    check and an attention check of the same text share them), the ids fed, and whether they
+    were computed now."""
+    engine = ctx.engine(engine_name, model)
+    read = getattr(engine, "attention", None)
+    if read is None:
+        raise KvguardError(f"engine '{engine_name}' cannot expose its attention probabilities")
+    # One id more, for the one a drop removes or an add pushes out.
+    raw = ctx.token_ids(engine_name, model, text, spec.tokens + 1)
+    ids = with_bos(raw, getattr(engine, "bos_id", None), spec.bos)[: spec.tokens]
+    key = ("attention", engine_name, str(model.resolve()), text.sha256, tuple(ids), spec.queries)
+
+    def compute() -> AttentionRows:
+        ctx.say(f"{engine_name}: reading attention of {len(spec.queries)} queries over "
+                f"{len(ids)} tokens")  # fmt: skip
+        rows: AttentionRows = read(ids, spec.queries)
+        return rows
+
+    rows, new = ctx.memo(key, compute)
+    return rows, ids, new
+
+
+def build_spec(fields: Fields) -> AttentionSpec:
+    """The spec of an attention or attention_parity check, validated."""
+    p = fields.params
+    tokens: int = p["tokens"]
+    require_text_room(fields, tokens, "params.tokens")
+    queries = p["queries"]
+    if queries is None:
+        queries = default_queries(tokens)
+    else:
+        queries = tuple(
+            ascending_counts(queries, "queries", 0, 1, f"[{tokens // 2}, {tokens - 1}]")
+        )
+    if queries[-1] >= tokens:
+        raise KvguardError(
+            f"query position {queries[-1]} is not among the {tokens} tokens fed "
+            f"(0 .. {tokens - 1})",
+            fix=f"use positions below {tokens}, or raise tokens",
+            key="params.queries",
+        )
+    if p["sinks"] > FIRST_K or p["sinks"] >= queries[0]:
+        raise KvguardError(
+            f"sinks {p['sinks']} must be at most {FIRST_K} and before the first query "
+            f"({queries[0]})",
+            fix="use sinks: 4",
+            key="params.sinks",
+        )
+    if p["sink_threshold"] > 100:
+        raise KvguardError(
+            f"sink_threshold is a percent, got {p['sink_threshold']}",
+            fix="use sink_threshold: 50",
+            key="params.sink_threshold",
+        )
+    if p["bos"] not in BOS_MODES:
+        raise KvguardError(
+            f"bos must be one of {', '.join(BOS_MODES)}, got {p['bos']!r}",
+            fix="use bos: model",
+            key="params.bos",
+        )
+    return AttentionSpec(tokens, fields.text_name(), queries, p["sinks"], p["sink_threshold"],
+                         p["recent"], p["bos"])  # fmt: skip
+
+
+PARAMS = (ATTENTION_TOKENS, QUERIES, SINK_SPAN, SINK_THRESHOLD, RECENT, BOS, TEXT)
+
+
+class AttentionScenario(Scenario[AttentionSpec]):
+    name = "attention"
+    summary = (
+        "full cache, the engine's own attention probabilities: the sink token, sink heads per "
+        "layer, mass on the first k tokens and on the recent window"
+    )
+    params = PARAMS
+    budgets = ("min_sink_heads_pct", "max_sink_position", "min_sink_mass_pct")
+    detail_type = AttentionDetail
+    takes_policy = False
+    no_policy = ("attention reads the full cache", "remove '{key}'")
+
+    def build(self, fields: Fields) -> AttentionSpec:
+        fields.policy_of("engine", "full")
+        return build_spec(fields)
+
+    def run(self, ctx: Context, check: Check[AttentionSpec]) -> Measured:
+        spec = check.spec
+        text = load_text(spec.text, check.base_dir)
+        rows, ids, new = capture(ctx, check.engine, check.model, text, spec)
+        metrics, arrays = sink_figures(rows.probs, spec.queries, spec.sinks,
+                                       spec.sink_threshold, spec.recent)  # fmt: skip
+        findings = []
+        if metrics["max_row_sum_error"] > ROW_SUM_TOLERANCE and not rows.learned_sinks:
+            findings.append(
+                f"captured attention rows sum to 1 only within {metrics['max_row_sum_error']:.2e} "
+                f"(tolerance {ROW_SUM_TOLERANCE:g}): the capture is not the engine's softmax"
+            )
+        if rows.reconstruction_error is not None:
+            metrics["reconstruction_error"] = rows.reconstruction_error
+            if rows.reconstruction_error > RECONSTRUCTION_TOLERANCE:
+                findings.append(
+                    f"probs @ V differs from the engine's own attention output by "
+                    f"{rows.reconstruction_error:.2e} (tolerance {RECONSTRUCTION_TOLERANCE:g})"
+                )
+        engine: Any = ctx.engine(check.engine, check.model)
+        sink = ids[int(metrics["sink_position"])]
+        return Measured(
+            policy="full",
+            tokens=spec.tokens,
+            text=text,
+            metrics=metrics,
+            seconds={check.engine: rows.seconds if new else 0.0},
+            tokens_per_second=spec.tokens / rows.seconds if rows.seconds else 0.0,
+            detail=AttentionDetail(
+                sink_token=engine.token_piece(sink)
+                if hasattr(engine, "token_piece")
+                else str(sink),
+                first_ids=list(ids[:FIRST_K]),
+                queries=list(spec.queries),
+                **arrays,
+                how=rows.how,
+            ),
+            findings=findings,
+        )
+
+    def table(self, outcomes: Sequence[Any]) -> tuple[list[str], list[list[list[str]]]]:
+        headers = ["tokens", "sink token", "sink heads", "mass on first k (1/4/8)", "recent"]
+        lines = []
+        for o in outcomes:
+            m, d = o.metrics, o.detail
+            by_k = d.sink_mass_by_k
+            lines.append([[
+                str(o.tokens), f"#{m['sink_position']:.0f} {d.sink_token!r} "
+                f"({m['sink_position_mass_pct']:.1f}%)", f"{m['sink_heads_pct']:.1f}%",
+                f"{by_k[0]:.1%} / {by_k[3]:.1%} / {by_k[7]:.1%}", f"{m['recent_mass_pct']:.1f}%",
+            ]])  # fmt: skip
+        return headers, lines
+
+
+SCENARIO = AttentionScenario()
+
+
+SHADES = " .:-=+*#%@"
+"""Text heatmap levels, 0-10% .. 90-100% of a head's attention on the first tokens."""
+
+
+def explain_sinks(ctx: Context, check: Check[Any], sinks_kept: int) -> dict[str, Any] | None:
+    """For a red stream or sweep check: the heads of its engine and model that park their
+    attention on the first tokens (read as the ``attention`` scenario's defaults read them, on
+    the check's text), and how many of those tokens the policy kept. None where the engine
+    cannot expose its attention."""
+    engine: Any = ctx.engine(check.engine, check.model)
+    if not hasattr(engine, "attention"):
+        return None
+    text = load_text(check.spec.text, check.base_dir)
+    tokens = min(ATTENTION_TOKENS.default, check.spec.tokens)
+    spec = AttentionSpec(tokens, check.spec.text, default_queries(tokens), SINK_SPAN.default,
+                         SINK_THRESHOLD.default, RECENT.default, "model")  # fmt: skip
+    rows, ids, _ = capture(ctx, check.engine, check.model, text, spec)
+    metrics, arrays = sink_figures(rows.probs, spec.queries, spec.sinks, spec.sink_threshold,
+                                   spec.recent)  # fmt: skip
+    heads = arrays["head_sink_mass"]
+    sink_heads = [
+        [layer, head, round(mass, 4)]
+        for layer, masses in enumerate(heads)
+        for head, mass in enumerate(masses)
+        if mass * 100 >= spec.sink_threshold
+    ]
+    lost = "keeps them" if sinks_kept >= spec.sinks else (
+        f"keeps {sinks_kept} of the first {spec.sinks} tokens, so these heads lose "
+        f"{'their sink' if sinks_kept == 0 else 'part of it'}")  # fmt: skip
+    position = int(metrics["sink_position"])
+    return {
+        "summary": (
+            f"{len(sink_heads)} of {len(heads) * len(heads[0])} heads put >= "
+            f"{spec.sink_threshold}% of their attention on the first {spec.sinks} tokens "
+            f"(sink: #{position} {engine.token_piece(ids[position])!r}, "
+            f"{metrics['sink_position_mass_pct']:.1f}% of all attention); the policy {lost}"
+        ),
+        "sinks_kept": sinks_kept,
+        "sink_heads": sink_heads,
+        "head_sink_mass": heads,
+    }
+
+
+def text_heatmap(head_mass: Sequence[Sequence[float]]) -> list[str]:
+    """One line per layer, one character per head: the share of its attention on the first
+    tokens, in tenths (``SHADES``)."""
+    lines = [
+        f"layer  heads 0..{len(head_mass[0]) - 1} (' ' <10% ... '@' >=90% on the first tokens)"
+    ]
+    for layer, masses in enumerate(head_mass):
+        cells = "".join(SHADES[min(9, int(m * 10))] for m in masses)
+        lines.append(f"{layer:>5}  |{cells}|")
+    return lines
