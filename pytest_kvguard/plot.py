@@ -119,8 +119,9 @@ def write_sweep_plot(rows: Sequence[Row], path: Path) -> int:
 
 def write_sink_heads_plot(rows: Sequence[Row], path: Path) -> int:
     """A layer x head heatmap of attention mass on the first tokens: one panel per attention
-    check, and one per red stream or sweep check (its engine's sink heads, which a policy that
-    evicts the first tokens takes their sink from). Returns the panels drawn (0: no file)."""
+    check, and one per stream or sweep check that broke a budget, negative controls included
+    (its engine's sink heads, which a policy that evicts the first tokens takes their sink
+    from). Returns the panels drawn (0: no file)."""
     panels = []
     for row in rows:
         if not isinstance(row, Outcome):
@@ -149,6 +150,6 @@ def write_sink_heads_plot(rows: Sequence[Row], path: Path) -> int:
         ax.set_title(f"{row.name}\n{row.model} on {row.engine}\n{note}", fontsize="small")
         ax.set_xlabel("head")
         ax.set_ylabel("layer")
-    fig.colorbar(image, ax=axes, shrink=0.6, label="attention mass on the first 4 tokens")
+    fig.colorbar(image, ax=axes, shrink=0.6, label="attention mass on the first `sinks` tokens (default 4)")
     _save(fig, path)
     return len(panels)

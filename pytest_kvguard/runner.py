@@ -244,7 +244,10 @@ def run_check(runner: Runner, check: Check[Any]) -> Outcome:
     explanation = None
     kept = _sinks_kept(check)
     if violations and kept is not None:
-        explanation = explain_sinks(runner, check, kept)
+        try:
+            explanation = explain_sinks(runner, check, kept)
+        except Exception as exc:  # the red verdict stands whatever the explanation does
+            runner.say(f"{check.name}: sink heads not read ({type(exc).__name__}: {exc})")
     loaded = [runner.engine(name, check.model) for name in check.engines]
     path = check.model.resolve()
     is_gguf = path.is_file()

@@ -7,7 +7,8 @@ sink and its perplexity jumps, a sink policy keeps it. Its prefix cache (edit_re
 any prefix under ``full`` and, under ``swa``, only one whose last ``TOY_WINDOW`` tokens it still
 holds. Set KVGUARD_FAKE_FAIL=1 to make decoding fail; KVGUARD_FAKE_CRASH=KIND (abort) or
 KVGUARD_FAKE_HANG=KIND (block forever) to break decoding under policy KIND; KVGUARD_FAKE_NO_CAP=1
-to ignore the cap (the cache grows); KVGUARD_FAKE_VERSION to report another version.
+to ignore the cap (the cache grows); KVGUARD_FAKE_VERSION to report another version;
+KVGUARD_FAKE_ATTENTION=1 to give it toy attention probabilities (layer 1 parks 80% on token 0).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from pytest_kvguard.engines import EngineInfo, EngineOptions
+from pytest_kvguard.engines import AttentionRows, EngineInfo, EngineOptions
 from pytest_kvguard.engines.conversation import Turn, converse_through_stream
 from pytest_kvguard.errors import EngineError
 from pytest_kvguard.policies import Policy
@@ -51,6 +52,13 @@ def load(model_path: Path, options: EngineOptions) -> FakeEngine:
 class FakeEngine:
     name = "fake"
     kv_element_bytes = 2.0
+
+    def __init__(self) -> None:
+        if os.environ.get("KVGUARD_FAKE_ATTENTION"):
+            # Instance attributes: the engine has these only when asked (hasattr is the test).
+            self.attention = toy_attention
+            self.bos_id = None
+            self.token_piece = lambda token_id: f"t{token_id}"
 
     def version(self) -> str:
         return os.environ.get("KVGUARD_FAKE_VERSION", "0.0-test")
@@ -90,6 +98,18 @@ class FakeEngine:
 
     def close(self) -> None:
         pass
+
+
+def toy_attention(token_ids: Sequence[int], queries: Sequence[int]) -> AttentionRows:
+    """2 layers x 2 heads: layer 0 spreads evenly over what each query sees; layer 1 puts 80%
+    on token 0 and spreads the rest."""
+    width = max(queries) + 1
+    probs = np.zeros((2, 2, len(queries), width), dtype=np.float32)
+    for i, q in enumerate(queries):
+        probs[0, :, i, : q + 1] = 1.0 / (q + 1)
+        probs[1, :, i, 1 : q + 1] = 0.2 / q
+        probs[1, :, i, 0] = 0.8
+    return AttentionRows(probs, "toy", 0.0)
 
 
 class FakeStream:

@@ -115,7 +115,9 @@ class AttentionRows:
     seconds: float
     reconstruction_error: float | None = None
     """Where the probabilities were computed beside a fused kernel: the largest
-    |probs @ V - the kernel's output| over the rows read; None where read from the engine."""
+    |probs @ V - the kernel's output| over the rows read, as a share of what the output's
+    dtype allows (above 1: they are not the engine's attention); None where read from the
+    engine itself."""
     learned_sinks: bool = False
     """The model has learned sink logits (gpt-oss): rows sum to less than 1."""
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import ctypes
 import re
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import llama_cpp as lc
@@ -27,8 +26,9 @@ SOFTMAX = "kq_soft_max"
 
 
 class _TensorHead(ctypes.Structure):
-    """The leading fields of ``struct ggml_tensor``, unchanged across ggml versions since 2023:
-    the element type, its buffer and its extent per dimension."""
+    """The leading fields of ``struct ggml_tensor`` in the ggml that llama-cpp-python 0.3.x
+    builds (since ggml dropped its ``backend`` field in 2024): the element type, its buffer and
+    its extent per dimension."""
 
     _fields_ = [
         ("type", ctypes.c_int),
@@ -42,16 +42,23 @@ GGML_TYPE_F32 = 0
 
 
 def _ggml_base() -> Any:
-    """libggml-base from llama-cpp-python's own lib folder: tensor names and reads."""
-    lib = ctypes.CDLL(str(Path(lc.__file__).parent / "lib" / "libggml-base.so"))
-    lib.ggml_get_name.restype = ctypes.c_char_p
-    lib.ggml_get_name.argtypes = [ctypes.c_void_p]
-    lib.ggml_backend_tensor_get.restype = None
-    lib.ggml_backend_tensor_get.argtypes = [
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t,
-    ]  # fmt: skip
-    lib.ggml_is_contiguous.restype = ctypes.c_bool
-    lib.ggml_is_contiguous.argtypes = [ctypes.c_void_p]
+    """ggml's tensor functions, looked up through llama-cpp-python's own loaded libllama (whose
+    dependencies hold them): the same build, wherever and however it was installed."""
+    lib = lc.llama_cpp._lib
+    try:
+        lib.ggml_get_name.restype = ctypes.c_char_p
+        lib.ggml_get_name.argtypes = [ctypes.c_void_p]
+        lib.ggml_backend_tensor_get.restype = None
+        lib.ggml_backend_tensor_get.argtypes = [
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t,
+        ]  # fmt: skip
+        lib.ggml_is_contiguous.restype = ctypes.c_bool
+        lib.ggml_is_contiguous.argtypes = [ctypes.c_void_p]
+    except AttributeError as exc:
+        raise EngineError(
+            f"llama-cpp-python's library does not expose ggml's tensor functions ({exc}), so "
+            "kvguard cannot read its attention"
+        ) from None
     return lib
 
 
@@ -146,7 +153,10 @@ def capture(
                 batch.pos[i] = start + i
                 batch.n_seq_id[i] = 1
                 batch.seq_id[i][0] = 0
-                batch.logits[i] = 1  # every row goes through every layer, the last one too
+                batch.logits[i] = 0
+            # llama.cpp keeps only rows with logits after the last layer's attention, so
+            # kq_soft_max still has every row; the output buffer holds one row, not 512.
+            batch.logits[len(chunk) - 1] = 1
             reader.batch_start = start
             status = lc.llama_decode(ctx, batch)
             if reader.error:

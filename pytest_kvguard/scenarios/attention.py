@@ -37,8 +37,7 @@ FIRST_K = 8
 """Mass on the first k tokens is reported for k = 1 .. FIRST_K."""
 ROW_SUM_TOLERANCE = 1e-3
 """A captured row's probabilities must sum to 1 within this (else the capture is wrong)."""
-RECONSTRUCTION_TOLERANCE = 1e-3
-"""mlx: |probs @ V - the fused kernel's output| may not exceed this on a captured row."""
+
 BOS_MODES = ("model", "drop", "add")
 
 ATTENTION_TOKENS = Param(
@@ -153,6 +152,24 @@ def sink_figures(
     return metrics, detail
 
 
+def capture_findings(rows: AttentionRows, row_sum_error: float) -> list[str]:
+    """What says the captured probabilities are not the engine's: rows that do not sum to 1
+    (unless the model has learned sink logits), or an output they do not reproduce."""
+    findings = []
+    if row_sum_error > ROW_SUM_TOLERANCE and not rows.learned_sinks:
+        findings.append(
+            f"captured attention rows sum to 1 only within {row_sum_error:.2e} (tolerance "
+            f"{ROW_SUM_TOLERANCE:g}): the capture is not the engine's softmax"
+        )
+    if rows.reconstruction_error is not None and rows.reconstruction_error > 1.0:
+        findings.append(
+            f"probs @ V differs from the engine's own attention output by "
+            f"{rows.reconstruction_error:.1f}x what its dtype allows: the capture is not the "
+            "attention the engine ran"
+        )
+    return findings
+
+
 def with_bos(ids: list[int], bos_id: int | None, mode: str) -> list[int]:
     """The ids with a leading BOS dropped or added as ``mode`` says."""
     if mode == "model":
@@ -175,8 +192,8 @@ def capture(
     read = getattr(engine, "attention", None)
     if read is None:
         raise KvguardError(f"engine '{engine_name}' cannot expose its attention probabilities")
-    # One id more, for the one a drop removes or an add pushes out.
-    raw = ctx.token_ids(engine_name, model, text, spec.tokens + 1)
+    # One id more where a leading BOS may be dropped.
+    raw = ctx.token_ids(engine_name, model, text, spec.tokens + (spec.bos == "drop"))
     ids = with_bos(raw, getattr(engine, "bos_id", None), spec.bos)[: spec.tokens]
     key = ("attention", engine_name, str(model.resolve()), text.sha256, tuple(ids), spec.queries)
 
@@ -215,6 +232,14 @@ def build_spec(fields: Fields) -> AttentionSpec:
             f"({queries[0]})",
             fix="use sinks: 4",
             key="params.sinks",
+        )
+    if queries[0] - p["recent"] + 1 <= p["sinks"]:
+        raise KvguardError(
+            f"the first query ({queries[0]}) minus recent ({p['recent']}) leaves no position "
+            f"past the first {p['sinks']} tokens that every query sees, so the sink could never "
+            "be found anywhere else",
+            fix="move the queries later, or lower recent",
+            key="params.queries" if fields.params["queries"] is not None else "params.recent",
         )
     if p["sink_threshold"] > 100:
         raise KvguardError(
@@ -257,19 +282,10 @@ class AttentionScenario(Scenario[AttentionSpec]):
         rows, ids, new = capture(ctx, check.engine, check.model, text, spec)
         metrics, arrays = sink_figures(rows.probs, spec.queries, spec.sinks,
                                        spec.sink_threshold, spec.recent)  # fmt: skip
-        findings = []
-        if metrics["max_row_sum_error"] > ROW_SUM_TOLERANCE and not rows.learned_sinks:
-            findings.append(
-                f"captured attention rows sum to 1 only within {metrics['max_row_sum_error']:.2e} "
-                f"(tolerance {ROW_SUM_TOLERANCE:g}): the capture is not the engine's softmax"
-            )
+        findings: list[str] = []
+        findings += capture_findings(rows, metrics["max_row_sum_error"])
         if rows.reconstruction_error is not None:
-            metrics["reconstruction_error"] = rows.reconstruction_error
-            if rows.reconstruction_error > RECONSTRUCTION_TOLERANCE:
-                findings.append(
-                    f"probs @ V differs from the engine's own attention output by "
-                    f"{rows.reconstruction_error:.2e} (tolerance {RECONSTRUCTION_TOLERANCE:g})"
-                )
+            metrics["reconstruction_error_ratio"] = rows.reconstruction_error
         engine: Any = ctx.engine(check.engine, check.model)
         sink = ids[int(metrics["sink_position"])]
         return Measured(
@@ -313,10 +329,11 @@ SHADES = " .:-=+*#%@"
 
 
 def explain_sinks(ctx: Context, check: Check[Any], sinks_kept: int) -> dict[str, Any] | None:
-    """For a red stream or sweep check: the heads of its engine and model that park their
-    attention on the first tokens (read as the ``attention`` scenario's defaults read them, on
-    the check's text), and how many of those tokens the policy kept. None where the engine
-    cannot expose its attention."""
+    """For a stream or sweep check that broke a budget (a FAIL, or a negative control CAUGHT):
+    the heads of its engine and model that park their attention on the first tokens (read as
+    the ``attention`` scenario's defaults read them, on the check's text), and how many of
+    those tokens the policy kept. None where the engine cannot expose its attention or the run
+    is too short to tell."""
     engine: Any = ctx.engine(check.engine, check.model)
     if not hasattr(engine, "attention"):
         return None
@@ -324,6 +341,8 @@ def explain_sinks(ctx: Context, check: Check[Any], sinks_kept: int) -> dict[str,
     tokens = min(ATTENTION_TOKENS.default, check.spec.tokens)
     spec = AttentionSpec(tokens, check.spec.text, default_queries(tokens), SINK_SPAN.default,
                          SINK_THRESHOLD.default, RECENT.default, "model")  # fmt: skip
+    if spec.queries[0] - spec.recent + 1 <= spec.sinks:
+        return None  # too short a run to tell a sink from the recent tokens
     rows, ids, _ = capture(ctx, check.engine, check.model, text, spec)
     metrics, arrays = sink_figures(rows.probs, spec.queries, spec.sinks, spec.sink_threshold,
                                    spec.recent)  # fmt: skip
@@ -334,7 +353,7 @@ def explain_sinks(ctx: Context, check: Check[Any], sinks_kept: int) -> dict[str,
         for head, mass in enumerate(masses)
         if mass * 100 >= spec.sink_threshold
     ]
-    lost = "keeps them" if sinks_kept >= spec.sinks else (
+    lost = "asks to keep them: if they are lost, the engine dropped them" if sinks_kept >= spec.sinks else (
         f"keeps {sinks_kept} of the first {spec.sinks} tokens, so these heads lose "
         f"{'their sink' if sinks_kept == 0 else 'part of it'}")  # fmt: skip
     position = int(metrics["sink_position"])

@@ -15,7 +15,13 @@ from typing import Any
 import numpy as np
 
 from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.scenarios.attention import PARAMS, AttentionSpec, build_spec, capture
+from pytest_kvguard.scenarios.attention import (
+    PARAMS,
+    AttentionSpec,
+    build_spec,
+    capture,
+    capture_findings,
+)
 from pytest_kvguard.scenarios.base import Check, Context, Fields, Measured, Scenario
 from pytest_kvguard.texts import load_text
 
@@ -56,10 +62,13 @@ class AttentionParityScenario(Scenario[AttentionSpec]):
         spec = check.spec
         text = load_text(spec.text, check.base_dir)
         (ref_name, other_name), seconds, masses = check.engines, {}, []
+        findings: list[str] = []
         for name in check.engines:
             rows, _, new = capture(ctx, name, check.model, text, spec)
             seconds[name] = rows.seconds if new else 0.0
             masses.append(rows.probs[..., : spec.sinks].sum(-1).mean(-1))
+            row_sum_error = float(np.abs(rows.probs.sum(-1) - 1.0).max())
+            findings += [f"{name}: {f}" for f in capture_findings(rows, row_sum_error)]
         if masses[0].shape != masses[1].shape:
             raise KvguardError(
                 f"{ref_name} reads {masses[0].shape} layers x heads, {other_name} "
@@ -81,6 +90,7 @@ class AttentionParityScenario(Scenario[AttentionSpec]):
             detail=AttentionParityDetail(
                 ref_name, other_name, [[float(v) for v in layer] for layer in diff]
             ),
+            findings=findings,
         )
 
     def table(self, outcomes: Sequence[Any]) -> tuple[list[str], list[list[list[str]]]]:
