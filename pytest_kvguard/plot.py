@@ -150,6 +150,8 @@ def write_sink_heads_plot(rows: Sequence[Row], path: Path) -> int:
         ax.set_title(f"{row.name}\n{row.model} on {row.engine}\n{note}", fontsize="small")
         ax.set_xlabel("head")
         ax.set_ylabel("layer")
-    fig.colorbar(image, ax=axes, shrink=0.6, label="attention mass on the first `sinks` tokens (default 4)")
+    fig.colorbar(
+        image, ax=axes, shrink=0.6, label="attention mass on the first `sinks` tokens (default 4)"
+    )
     _save(fig, path)
     return len(panels)

@@ -190,3 +190,31 @@ def test_a_red_stream_check_names_the_heads_that_lose_their_sink(
     assert explained["win"]["sinks_kept"] == 0
     assert [h[:2] for h in explained["win"]["sink_heads"]] == [[1, 0], [1, 1]]
     assert (gate.path / "r.sink-heads.png").stat().st_size > 0
+
+
+@pytest.mark.engine
+def test_captures_past_one_batch_keep_positions_and_masks(
+    kvguard_runner: Runner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """700 tokens: two llama.cpp batches and two mlx forward calls (the second with a cache
+    offset and its own mask); rows on both sides of token 512."""
+    from pytest_kvguard.engines import mlx_attention
+    from pytest_kvguard.engines.llama_attention import SOFTMAX, capture
+
+    rows = [300, 600, 699]
+    engine: Any = kvguard_runner.engine("llama_cpp", SMOLLM2)
+    ids = kvguard_runner.token_ids("llama_cpp", SMOLLM2, pydoc_topics(), 700)
+    tensors = capture(engine, ids, range(700), prefixes=(SOFTMAX, "Qcur", "Kcur"))
+    for layer in (0, 14, 29):
+        probs = tensors[f"{SOFTMAX}-{layer}"][0]
+        q = tensors[f"Qcur-{layer}"][0].transpose(1, 0, 2)[:, rows]
+        k = tensors[f"Kcur-{layer}"][0].transpose(1, 0, 2)
+        expected = explicit_softmax(q, k, q.shape[-1] ** -0.5, rows)
+        np.testing.assert_allclose(probs[:, rows], expected, atol=3e-3)
+
+    model = kvguard_runner.engine("mlx", SMOLLM2).model  # type: ignore[attr-defined]
+    chunked, _, _ = mlx_attention.capture(model, ids, rows)
+    monkeypatch.setattr(mlx_attention, "CHUNK", 1024)
+    whole, _, _ = mlx_attention.capture(model, ids, rows)
+    np.testing.assert_allclose(chunked, whole, atol=1e-5)
+    np.testing.assert_allclose(chunked.sum(-1), 1.0, atol=1e-5)

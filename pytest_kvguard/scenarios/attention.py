@@ -353,9 +353,13 @@ def explain_sinks(ctx: Context, check: Check[Any], sinks_kept: int) -> dict[str,
         for head, mass in enumerate(masses)
         if mass * 100 >= spec.sink_threshold
     ]
-    lost = "asks to keep them: if they are lost, the engine dropped them" if sinks_kept >= spec.sinks else (
-        f"keeps {sinks_kept} of the first {spec.sinks} tokens, so these heads lose "
-        f"{'their sink' if sinks_kept == 0 else 'part of it'}")  # fmt: skip
+    if sinks_kept >= spec.sinks:
+        lost = "asks to keep them: if they are lost, the engine dropped them"
+    else:
+        lost = (
+            f"keeps {sinks_kept} of the first {spec.sinks} tokens, so these heads lose "
+            f"{'their sink' if sinks_kept == 0 else 'part of it'}"
+        )
     position = int(metrics["sink_position"])
     return {
         "summary": (
