@@ -152,6 +152,10 @@ _DETAIL_TYPES = {
     "list[int]": {"type": "array", "items": {"type": "integer"}},
     "list[float]": {"type": "array", "items": {"type": "number"}},
     "list[list[float]]": {"type": "array", "items": {"type": "array", "items": {"type": "number"}}},
+    "list[list[list[float]]]": {
+        "type": "array",
+        "items": {"type": "array", "items": {"type": "array", "items": {"type": "number"}}},
+    },
     "list[list[int]]": {"$ref": "#/$defs/layer_sizes"},
     "list[dict[str, float]]": {"$ref": "#/$defs/samples"},
     "list[dict[str, Any]]": {"$ref": "#/$defs/samples"},

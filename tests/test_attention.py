@@ -112,6 +112,13 @@ def test_sink_figures_find_the_sink_and_count_sink_heads() -> None:
     assert metrics["max_row_sum_error"] < 1e-5
     assert detail["head_sink_mass"][0][0] == pytest.approx(0.6 + 1.2 * (1 / 80 + 1 / 99) / 2)
     assert detail["sink_mass_by_k"][0] < detail["sink_mass_by_k"][3] < detail["sink_mass_by_k"][7]
+    assert np.array(detail["head_mass_by_k"]).shape == (2, 2, 8)
+    assert detail["head_mass_by_k"][0][0][3] == pytest.approx(
+        detail["head_sink_mass"][0][0], abs=1e-6
+    )
+    assert detail["head_mass_by_k"][0][0][0] == pytest.approx(0.6)
+    # Head (0, 1) spreads evenly: its 10 most recent keys hold 10 / (q + 1) of its attention.
+    assert detail["head_recent_mass"][0][1] == pytest.approx((10 / 81 + 10 / 100) / 2, rel=1e-4)
     # Move the big head's mass from key 0 to key 40: the sink moves, and no head is a sink head.
     probs[0, 0, :, [0, 40]] = probs[0, 0, :, [40, 0]].copy()
     metrics, _ = sink_figures(probs, queries, sinks=4, threshold_pct=50, recent=10)

@@ -153,6 +153,44 @@ CASES = {
         "\n    budgets: {min_sink_gain_pct: 1}\n",
         "budgets.yaml:6: positions [[]'absolute', 'absolute'] names one handling twice*",
     ),
+    # attention
+    "attention_query_past_the_tokens": (
+        "    scenario: attention\n    params: {tokens: 300, queries: [200, 300]}\n"
+        "    budgets: {min_sink_heads_pct: 10}\n",
+        "budgets.yaml:6: query position 300 is not among the 300 tokens fed (0 .. 299) (fix: use "
+        "positions below 300, or raise tokens)",
+    ),
+    "attention_queries_inside_the_recent_window": (
+        "    scenario: attention\n    params: {tokens: 300, queries: [60, 200]}\n"
+        "    budgets: {min_sink_heads_pct: 10}\n",
+        "budgets.yaml:6: the first query (60) minus recent (64) leaves no position past the "
+        "first 4 tokens*(fix: move the queries later, or lower recent)",
+    ),
+    "attention_sinks_past_eight": (
+        "    scenario: attention\n    params: {tokens: 300, sinks: 9}\n"
+        "    budgets: {min_sink_heads_pct: 10}\n",
+        "budgets.yaml:6: sinks 9 must be at most 8 and before the first query (150)*",
+    ),
+    "attention_threshold_over_a_hundred": (
+        "    scenario: attention\n    params: {tokens: 300, sink_threshold: 150}\n"
+        "    budgets: {min_sink_heads_pct: 10}\n",
+        "budgets.yaml:6: sink_threshold is a percent, got 150 (fix: use sink_threshold: 50)",
+    ),
+    "attention_unknown_bos_mode": (
+        "    scenario: attention\n    params: {tokens: 300, bos: remove}\n"
+        "    budgets: {min_sink_heads_pct: 10}\n",
+        "budgets.yaml:6: bos must be one of model, drop, add, got 'remove' (fix: use bos: model)",
+    ),
+    "attention_sink_heads_zero": (
+        "    scenario: attention\n    params: {tokens: 300}\n"
+        "    budgets: {min_sink_heads_pct: 0}\n",
+        "budgets.yaml:7: budget min_sink_heads_pct: 0 could never fail*",
+    ),
+    "attention_parity_one_engine_twice": (
+        "    scenario: attention_parity\n    engines: [fake, fake]\n    params: {tokens: 300}\n"
+        "    budgets: {max_sink_mass_diff_pct: 5}\n",
+        "budgets.yaml:6: attention_parity compares two engines, and both are 'fake'*",
+    ),
 }
 
 

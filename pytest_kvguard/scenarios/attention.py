@@ -115,6 +115,11 @@ class AttentionDetail:
     """Per layer, mean mass on the first ``sinks`` tokens."""
     head_sink_mass: list[list[float]]
     """Per layer and head, mean mass (over the queries) on the first ``sinks`` tokens."""
+    head_mass_by_k: list[list[list[float]]]
+    """Per layer and head, mean mass on the first k tokens, k = 1 .. 8."""
+    head_recent_mass: list[list[float]]
+    """Per layer and head, mean mass on the ``recent`` most recent tokens (the query's own
+    included)."""
     how: str
     """How the engine's probabilities were read, in one line."""
 
@@ -144,8 +149,11 @@ def sink_figures(
         "recent_mass_pct": float(recent_mass.mean()) * 100.0,
         "max_row_sum_error": float(np.abs(row_sums - 1.0).max()),
     }
+    by_k = np.stack([probs[..., :k].sum(-1).mean(-1) for k in range(1, FIRST_K + 1)], axis=-1)
     detail = {
-        "sink_mass_by_k": [float(probs[..., :k].sum(-1).mean()) for k in range(1, FIRST_K + 1)],
+        "sink_mass_by_k": [float(v) for v in by_k.mean(axis=(0, 1))],
+        "head_mass_by_k": by_k.round(6).tolist(),
+        "head_recent_mass": recent_mass.mean(-1).round(6).tolist(),
         "layer_sink_mass": [float(v) for v in head_mass.mean(-1)],
         "head_sink_mass": [[float(v) for v in layer] for layer in head_mass],
     }
