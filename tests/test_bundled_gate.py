@@ -86,6 +86,22 @@ def test_bundled_check(pytestconfig: pytest.Config, check: Check[Any]) -> None:
     if check.scenario == "parity":
         assert outcome.tokens == spec.tokens and m["mean_abs_nll_diff"] > 0
         return
+    if check.scenario == "attention":
+        # Every row read is a probability distribution, for every query asked, on every layer.
+        assert m["max_row_sum_error"] < 1e-3
+        assert outcome.detail.queries == list(spec.queries)
+        assert len(outcome.detail.head_mass_by_k) == len(outcome.detail.layer_sink_mass) > 0
+        by_k = outcome.detail.sink_mass_by_k  # mass on the first k tokens grows with k
+        assert all(a <= b + 1e-6 for a, b in zip(by_k, by_k[1:], strict=False))
+        return
+    if check.scenario == "attention_parity":
+        assert 0 < m["mean_sink_mass_diff_pct"] <= m["sink_mass_diff_pct"]
+        return
+    if outcome.violations and spec.policy.kind in ("sink", "window"):
+        # A red sink or window check names the heads that park attention on the first tokens.
+        assert outcome.explanation is not None
+        assert outcome.explanation["sinks_kept"] == spec.policy.sinks
+        assert outcome.explanation["sink_heads"]
     cap = spec.policy.cap
     assert cap is not None
     if spec.policy.kind in ("sink", "window"):
