@@ -10,13 +10,16 @@ fresh context fills its cells in order, so cell ``j`` holds position ``j``.
 from __future__ import annotations
 
 import ctypes
+import functools
 import re
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import llama_cpp as lc
 import numpy as np
 
+from pytest_kvguard.engines import AttentionRows
 from pytest_kvguard.engines.llama_cpp import UBATCH, LlamaCppEngine
 from pytest_kvguard.engines.llama_log import captured_log, log_excerpt
 from pytest_kvguard.errors import EngineError
@@ -41,6 +44,7 @@ class _TensorHead(ctypes.Structure):
 GGML_TYPE_F32 = 0
 
 
+@functools.cache
 def _ggml_base() -> Any:
     """ggml's tensor functions, looked up through llama-cpp-python's own loaded libllama (whose
     dependencies hold them): the same build, wherever and however it was installed."""
@@ -169,3 +173,25 @@ def capture(
         lc.llama_free(ctx)
     return {name: np.concatenate(parts, axis=token_axis(name))
             for name, parts in reader.kept.items()}  # fmt: skip
+
+
+def read_attention(
+    engine: LlamaCppEngine, token_ids: Sequence[int], queries: Sequence[int]
+) -> AttentionRows:
+    """Every layer's ``kq_soft_max`` rows for the query positions, as (layer, head, query,
+    key position)."""
+    started = time.perf_counter()
+    tensors = capture(engine, token_ids, queries)
+    n_layers = lc.llama_model_n_layer(engine.model)
+    missing = [i for i in range(n_layers) if f"{SOFTMAX}-{i}" not in tensors]
+    if missing:
+        raise EngineError(
+            f"llama.cpp computed no {SOFTMAX} for layers {missing}: this build names its "
+            "attention probabilities otherwise, so kvguard cannot read them"
+        )
+    probs = np.stack([tensors[f"{SOFTMAX}-{i}"][0] for i in range(n_layers)])
+    return AttentionRows(
+        probs,
+        "llama.cpp kq_soft_max tensors via cb_eval, flash attention off",
+        time.perf_counter() - started,
+    )

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import resource
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,6 +77,12 @@ def _render_chat(model: Any, messages: Sequence[Mapping[str, str]]) -> str:
     raise EngineError("chat template output did not fit")
 
 
+def _bos_id(vocab: Any) -> int | None:
+    """The vocabulary's BOS token; None where it has none."""
+    bos = int(lc.llama_vocab_bos(vocab))
+    return None if bos < 0 else bos
+
+
 def _token_piece(vocab: Any, token_id: int) -> str:
     """The token's text, special tokens spelt out (``<bos>``)."""
     buffer = ctypes.create_string_buffer(256)
@@ -109,8 +114,7 @@ class GgufVocab:
 
     @property
     def bos_id(self) -> int | None:
-        bos = int(lc.llama_vocab_bos(self.vocab))
-        return None if bos < 0 else bos
+        return _bos_id(self.vocab)
 
     def token_piece(self, token_id: int) -> str:
         return _token_piece(self.vocab, token_id)
@@ -166,31 +170,16 @@ class LlamaCppEngine:
 
     @property
     def bos_id(self) -> int | None:
-        bos = int(lc.llama_vocab_bos(self.vocab))
-        return None if bos < 0 else bos
+        return _bos_id(self.vocab)
 
     def token_piece(self, token_id: int) -> str:
         return _token_piece(self.vocab, token_id)
 
     def attention(self, token_ids: Sequence[int], queries: Sequence[int]) -> AttentionRows:
         """llama.cpp's own ``kq_soft_max`` tensors for the query positions (``llama_attention``)."""
-        from pytest_kvguard.engines.llama_attention import SOFTMAX, capture
+        from pytest_kvguard.engines.llama_attention import read_attention
 
-        started = time.perf_counter()
-        tensors = capture(self, token_ids, queries)
-        n_layers = lc.llama_model_n_layer(self.model)
-        missing = [i for i in range(n_layers) if f"{SOFTMAX}-{i}" not in tensors]
-        if missing:
-            raise EngineError(
-                f"llama.cpp computed no {SOFTMAX} for layers {missing}: this build names its "
-                "attention probabilities otherwise, so kvguard cannot read them"
-            )
-        probs = np.stack([tensors[f"{SOFTMAX}-{i}"][0] for i in range(n_layers)])
-        return AttentionRows(
-            probs,
-            "llama.cpp kq_soft_max tensors via cb_eval, flash attention off",
-            time.perf_counter() - started,
-        )
+        return read_attention(self, token_ids, queries)
 
     def open_stream(self, policy: Policy, max_tokens: int) -> LlamaCppStream:
         return LlamaCppStream(self, policy, max_tokens)

@@ -16,7 +16,6 @@ BLAS_PATH = preload_openblas()
 
 # The engine is imported only after the BLAS choice above.
 import importlib.metadata  # noqa: E402
-import time  # noqa: E402
 from collections.abc import Mapping, Sequence  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
@@ -104,17 +103,9 @@ class MlxEngine:
 
     def attention(self, token_ids: Sequence[int], queries: Sequence[int]) -> AttentionRows:
         """The softmax of the queries and keys mlx-lm's layers pass (``mlx_attention``)."""
-        from pytest_kvguard.engines.mlx_attention import capture
+        from pytest_kvguard.engines.mlx_attention import read_attention
 
-        started = time.perf_counter()
-        probs, error, learned_sinks = capture(self.model, token_ids, queries)
-        return AttentionRows(
-            probs,
-            "softmax(QK^T) of the arrays mlx-lm's layers pass to its fused attention",
-            time.perf_counter() - started,
-            reconstruction_error=error,
-            learned_sinks=learned_sinks,
-        )
+        return read_attention(self.model, token_ids, queries)
 
     def open_stream(self, policy: Policy, max_tokens: int) -> MlxStream:
         return MlxStream(self, policy)

@@ -19,6 +19,7 @@ preload_openblas()
 # mlx is imported only after the BLAS choice above.
 import contextlib  # noqa: E402
 import sys  # noqa: E402
+import time  # noqa: E402
 from collections.abc import Iterator, Sequence  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -26,6 +27,7 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
+from pytest_kvguard.engines import AttentionRows  # noqa: E402
 from pytest_kvguard.engines.mlx import eval_caches  # noqa: E402
 from pytest_kvguard.errors import EngineError  # noqa: E402
 
@@ -160,3 +162,16 @@ def capture(
                 )
     probs = np.stack([np.concatenate(recorder.probs[i], axis=1) for i in range(n_layers)])
     return probs, recorder.worst_ratio, recorder.learned_sinks
+
+
+def read_attention(model: Any, token_ids: Sequence[int], queries: Sequence[int]) -> AttentionRows:
+    """``capture`` as the Engine protocol's ``attention`` returns it."""
+    started = time.perf_counter()
+    probs, error, learned_sinks = capture(model, token_ids, queries)
+    return AttentionRows(
+        probs,
+        "softmax(QK^T) of the arrays mlx-lm's layers pass to its fused attention",
+        time.perf_counter() - started,
+        reconstruction_error=error,
+        learned_sinks=learned_sinks,
+    )

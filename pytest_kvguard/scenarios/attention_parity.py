@@ -22,7 +22,14 @@ from pytest_kvguard.scenarios.attention import (
     capture,
     capture_findings,
 )
-from pytest_kvguard.scenarios.base import Check, Context, Fields, Measured, Scenario
+from pytest_kvguard.scenarios.base import (
+    Check,
+    Context,
+    Fields,
+    Measured,
+    Scenario,
+    require_two_engines,
+)
 from pytest_kvguard.texts import load_text
 
 
@@ -49,12 +56,7 @@ class AttentionParityScenario(Scenario[AttentionSpec]):
     no_policy = ("attention_parity reads the full cache on both engines", "remove '{key}'")
 
     def build(self, fields: Fields) -> AttentionSpec:
-        if fields.engines[0] == fields.engines[1]:
-            raise KvguardError(
-                f"attention_parity compares two engines, and both are '{fields.engine}'",
-                fix="write engines: [llama_cpp, mlx]",
-                key="engines",
-            )
+        require_two_engines(fields, "attention_parity", "an engine's attention")
         fields.policy_of("engines", "full")
         return build_spec(fields)
 

@@ -168,6 +168,17 @@ class Fields:
         return self.loaded_text.name
 
 
+def require_two_engines(fields: Fields, scenario: str, what: str) -> None:
+    """A two-engine scenario naming one engine twice would compare a run with itself."""
+    if fields.engines[0] == fields.engines[1]:
+        raise KvguardError(
+            f"{scenario} compares two engines, and both are '{fields.engine}': it would "
+            f"compare {what} with itself",
+            fix="write engines: [llama_cpp, mlx]",
+            key="engines",
+        )
+
+
 def require_text_room(fields: Fields, tokens: int, key: str) -> None:
     """Refuse a token count the text cannot hold: every token covers at least one byte."""
     text = fields.loaded_text

@@ -11,7 +11,6 @@ from typing import Any
 
 import numpy as np
 
-from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.policies import make_policy
 from pytest_kvguard.scenarios.base import (
     TEXT,
@@ -22,6 +21,7 @@ from pytest_kvguard.scenarios.base import (
     Measured,
     Scenario,
     require_text_room,
+    require_two_engines,
 )
 from pytest_kvguard.scenarios.feeding import StreamRun
 from pytest_kvguard.scoring import perplexity
@@ -77,13 +77,7 @@ class ParityScenario(Scenario[ParitySpec]):
     no_policy = ("parity runs the full cache on both engines", "remove '{key}'")
 
     def build(self, fields: Fields) -> ParitySpec:
-        if fields.engines[0] == fields.engines[1]:
-            raise KvguardError(
-                f"parity compares two engines, and both are '{fields.engine}': it would "
-                "compare a run with itself",
-                fix="write engines: [llama_cpp, mlx]",
-                key="engines",
-            )
+        require_two_engines(fields, "parity", "a run")
         fields.policy_of("engines", "full")
         tokens: int = fields.params["tokens"]
         require_text_room(fields, tokens, "params.tokens")
