@@ -92,11 +92,18 @@ class ModelRef:
     path: Path | None = None
     """Set for a file path; None for a bundled model (resolved on first use)."""
     form: str = "gguf"
-    """``gguf`` (a bundled model or a GGUF file), ``folder`` or ``hub``."""
+    """``gguf`` (a bundled model or a GGUF file), ``folder``, ``hub`` or ``url`` (the model a
+    running server at that address serves)."""
+
+    @property
+    def url(self) -> str | None:
+        return self.name if self.form == "url" else None
 
     def resolve(self) -> Path:
-        """The GGUF file (or folder, or hub id as a path). An environment variable can point a
-        bundled name elsewhere."""
+        """The GGUF file (or folder, or hub id as a path; a URL as a path-like key). An
+        environment variable can point a bundled name elsewhere."""
+        if self.form == "url":
+            return Path(self.name)
         if self.path is not None:
             return self.path
         override = os.environ.get(env_var_for(self.name))
@@ -127,9 +134,13 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def parse_model(value: str, base_dir: Path) -> ModelRef:
-    """A bundled short name; a GGUF file or a model folder (relative to ``base_dir``); a hub id."""
+    """A bundled short name; a GGUF file or a model folder (relative to ``base_dir``); a hub id;
+    a running server's URL."""
     if value in BUNDLED_MODELS:
         return ModelRef(value)
+    if value.startswith(("http://", "https://")):
+        # Only server engines accept this: the model a running server already serves.
+        return ModelRef(value, form="url")
     path = resolve_under(value, base_dir)
     if path.is_dir():
         return ModelRef(value, path, form="folder")
@@ -142,7 +153,7 @@ def parse_model(value: str, base_dir: Path) -> ModelRef:
         f"unknown model '{value}'",
         fix="use one of "
         + ", ".join(BUNDLED_MODELS)
-        + ", a .gguf file, a model folder or a hub id",
+        + ", a .gguf file, a model folder, a hub id or a server's http:// URL",
     )
 
 
@@ -170,6 +181,21 @@ class ModelArch:
 def _field(reader: Any, key: str) -> Any:
     field = reader.fields.get(key)
     return None if field is None else field.contents()
+
+
+BUILTIN_CHAT_TEMPLATES = {"gemma3": "gemma", "gemma2": "gemma", "gemma": "gemma"}
+"""llama.cpp built-in template names, for GGUF files that carry no template, by architecture."""
+
+
+def builtin_chat_template(path: Path) -> str | None:
+    """The built-in template kvguard renders chats with where the GGUF carries none (the
+    Gemma 3 base GGUF); None where the file has its own."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    if _field(reader, "tokenizer.chat_template"):
+        return None
+    return BUILTIN_CHAT_TEMPLATES.get(str(_field(reader, "general.architecture")))
 
 
 @cache

@@ -18,9 +18,11 @@ import llama_cpp as lc
 import numpy as np
 
 from pytest_kvguard.engines import AttentionRows, EngineOptions
+from pytest_kvguard.engines.buffer_sizes import buffer_mib
 from pytest_kvguard.engines.conversation import Turn, converse_through_stream
-from pytest_kvguard.engines.llama_log import buffer_mib, captured_log, init_backend, log_excerpt
+from pytest_kvguard.engines.llama_log import captured_log, init_backend, log_excerpt
 from pytest_kvguard.errors import EngineError, KvguardError
+from pytest_kvguard.models import BUILTIN_CHAT_TEMPLATES
 from pytest_kvguard.policies import Policy
 
 SEQ = 0
@@ -57,7 +59,8 @@ def _render_chat(model: Any, messages: Sequence[Mapping[str, str]]) -> str:
         arch = ctypes.create_string_buffer(64)
         lc.llama_model_meta_val_str(model, b"general.architecture", arch, 64)
         family = arch.value.decode()
-        template = BUILTIN_TEMPLATES.get(family)
+        builtin = BUILTIN_CHAT_TEMPLATES.get(family)
+        template = builtin.encode() if builtin else None
         if template is None:
             raise EngineError(
                 f"the model has no chat template, and kvguard knows no built-in one for '{family}'",
@@ -88,10 +91,6 @@ def _token_piece(vocab: Any, token_id: int) -> str:
     buffer = ctypes.create_string_buffer(256)
     n = lc.llama_token_to_piece(vocab, token_id, buffer, 256, 0, True)
     return buffer.raw[: max(n, 0)].decode("utf-8", errors="replace")
-
-
-BUILTIN_TEMPLATES = {"gemma3": b"gemma", "gemma2": b"gemma", "gemma": b"gemma"}
-"""llama.cpp built-in template names, for GGUF files that carry no template."""
 
 
 class GgufVocab:

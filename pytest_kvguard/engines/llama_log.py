@@ -1,4 +1,4 @@
-"""llama.cpp's log: kept quietly (its tail quotes into engine errors) and read for buffer sizes.
+"""llama.cpp's log: kept quietly (its tail quotes into engine errors) and captured to read.
 
 Imported by the llama.cpp adapter only: importing it imports llama_cpp.
 """
@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import ctypes
 import os
-import re
 import sys
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import llama_cpp as lc
@@ -44,20 +43,6 @@ def captured_log() -> Iterator[list[str]]:
         yield captured
     finally:
         _log_capture = None
-
-
-_BUFFER_LINE = re.compile(r"(\S+) (model|KV|compute) buffer size =\s*([\d.]+) MiB")
-
-
-def buffer_mib(log: Sequence[str]) -> dict[str, float]:
-    """llama.cpp's own buffer sizes, in bytes, summed per kind over devices: model, KV, compute.
-
-    llama.cpp prints them to two decimals of a MiB, so each is exact to +-5 KiB.
-    """
-    sizes = {"model": 0.0, "KV": 0.0, "compute": 0.0}
-    for _device, kind, mib in _BUFFER_LINE.findall("".join(log)):
-        sizes[kind] += float(mib) * 2**20
-    return sizes
 
 
 def log_excerpt() -> str:
