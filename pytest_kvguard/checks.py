@@ -133,7 +133,8 @@ def _build(
             if model.form not in ENGINES[engine].model_forms:
                 raise KvguardError(
                     f"engine '{engine}' cannot load a model {model.form} ('{model.name}')",
-                    fix="give a bundled model or a .gguf file",
+                    fix="give a bundled model or a .gguf file"
+                    + (" (a URL is for engine llama_server)" if model.form == "url" else ""),
                 )
     except KvguardError as exc:
         raise exc.keyed("model") from None

@@ -61,7 +61,7 @@ class Runner:
         key = (name, path)
         if key not in self._engines:
             self.say(f"loading {model.name} into {name}")
-            self._engines[key] = load_engine(name, path, self.options)
+            self._engines[key] = load_engine(name, model.url or path, self.options)
         return self._engines[key]
 
     def token_ids(self, engine_name: str, model: ModelRef, text: Text, count: int) -> list[int]:

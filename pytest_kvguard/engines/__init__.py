@@ -230,6 +230,12 @@ class EngineInfo:
     """What a check's model may be: gguf (bundled or file), folder, hub."""
     max_chunk: int | None = None
     """The most tokens one engine call takes (llama.cpp: the context's batch size)."""
+    context_step: int | None = None
+    """Set where the engine's context is a multiple of this many cells and it shifts when one
+    more token would not fit (llama-server: 256), so a cap must be a multiple minus one."""
+    binary: bool = False
+    """The engine is a program kvguard starts (or an existing server at a URL), not a Python
+    package: it is looked for when a check first loads it."""
     self_evicting: tuple[str, ...] = ()
     """Policy kinds whose cache the engine trims inside its own decode call, reporting no room
     to kvguard: they are fed in prefill-sized chunks whatever ``chunk`` says."""
@@ -270,6 +276,21 @@ ENGINES: dict[str, EngineInfo] = {
             fixed_evict_step=1,
             model_forms=("gguf", "folder", "hub"),
         ),
+        EngineInfo(
+            "llama_server",
+            "pytest_kvguard.engines.llama_server",
+            "pytest_kvguard",
+            "llama-server",
+            "bash .ci/install (builds llama-server into .venv/bin), or set KVGUARD_LLAMA_SERVER",
+            policies={
+                "edit_replay": ("full", "swa", "swa_full"),
+                "generate": ("window", "sink", "engine_default"),
+            },
+            position_modes=("reindexed",),
+            model_forms=("gguf", "url"),
+            context_step=256,
+            binary=True,
+        ),
     )
 }
 
@@ -302,6 +323,16 @@ def check_policy(name: str, policy: Policy, scenario: str = "stream") -> None:
             f"engine '{name}' cannot run positions '{policy.positions}'",
             fix="use positions: " + " or ".join(info.position_modes),
         )
+    if policy.cap is not None and info.context_step and (policy.cap + 1) % info.context_step:
+        cells = info.context_step
+        low = max((policy.cap + 1) // cells * cells - 1, cells - 1)
+        raise KvguardError(
+            f"engine '{name}' holds at most a multiple of {info.context_step} cells minus one "
+            f"(it shifts when one more token would not fit), so cap {policy.cap} cannot be "
+            "asked of it",
+            fix=f"use cap: {low} or {low + cells}",
+            key="params.cap",
+        )
     step = info.fixed_evict_step
     if policy.bounded and step is not None and policy.evict_step != step:
         raise KvguardError(
@@ -327,20 +358,28 @@ def check_policy(name: str, policy: Policy, scenario: str = "stream") -> None:
 def require_installed(name: str) -> EngineInfo:
     """Fail early, without importing the engine, when it is not installed."""
     info = engine_info(name)
+    if info.binary:
+        return info  # found (or not) when a check loads it: a URL needs no binary here
     if importlib.util.find_spec(info.import_name) is None:
         raise KvguardError(f"engine '{name}' is not installed", fix=info.install)
     return info
 
 
 def installed_version(name: str) -> str | None:
-    """The engine's package version, read from metadata (no import)."""
+    """The engine's package version, read from metadata (no import); for a program kvguard
+    starts, the version the binary reports."""
+    if engine_info(name).binary:
+        from pytest_kvguard.engines.llama_server import binary_version
+
+        return binary_version()
     try:
         return importlib.metadata.version(engine_info(name).distribution)
     except importlib.metadata.PackageNotFoundError:
         return None
 
 
-def load_engine(name: str, model_path: Path, options: EngineOptions) -> Engine:
+def load_engine(name: str, model_path: Path | str, options: EngineOptions) -> Engine:
+    """Load ``model_path`` (a URL for a server engine's existing deployment) into the engine."""
     info = require_installed(name)
     module = importlib.import_module(info.module)
     engine: Engine = module.load(model_path, options)

@@ -175,7 +175,9 @@ def run_edit_replay(
     prefilled: object | None = None,
 ) -> tuple[ReplayRun, object | None]:
     """Prefill the first prompt into a fresh cache (or restore ``prefilled``, what the engine's
-    prefix cache ``save`` returned after that prefill), then replay the follow-up against it.
+    prefix cache ``save`` returned after that prefill), then replay the follow-up against it:
+    through the cache's ``replay`` where it has one (a server counting its own reuse), else by
+    keeping the longest prefix the engine can use and prefilling the rest.
     Also returns the saved prefill for the next follow-up, where the engine can save one."""
     cache = engine.open_prefix_cache(policy, max(len(first_ids), len(followup_ids)))
     try:
@@ -191,14 +193,20 @@ def run_edit_replay(
         memory = cache.memory_bytes()
         started = time.perf_counter()
         split = common_prefix(first_ids, followup_ids)
-        # At least one token is decoded, so the follow-up has logits to generate from.
-        reused, restored = cache.keep_prefix(min(split, len(followup_ids) - 1))
-        cache.extend(followup_ids[reused:], reused)
+        served = getattr(cache, "replay", None)
+        if served is not None:
+            # A server decides its own reuse when the follow-up arrives, and counts it.
+            reused, reprefilled, restored = served(followup_ids)
+        else:
+            # At least one token is decoded, so the follow-up has logits to generate from.
+            reused, restored = cache.keep_prefix(min(split, len(followup_ids) - 1))
+            cache.extend(followup_ids[reused:], reused)
+            reprefilled = len(followup_ids) - reused
         replay = Replay(
             prompt_tokens=len(followup_ids),
             split=split,
             reused=reused,
-            reprefilled=len(followup_ids) - reused,
+            reprefilled=reprefilled,
             restored_checkpoint=restored,
             seconds=time.perf_counter() - started,
         )

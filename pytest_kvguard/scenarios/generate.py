@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from pytest_kvguard.budgets import Budgets
+from pytest_kvguard.engines import engine_info
 from pytest_kvguard.engines.conversation import plan_turns
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.policies import Policy
@@ -65,7 +67,8 @@ PREFILL_STEP = Param(
     "int",
     2048,
     "prompt tokens per engine call: mlx-lm's prefill_step_size (its default, 2048); llama.cpp "
-    "decodes at most min(this, 512, cap - sinks)",
+    "decodes at most min(this, 512, cap - sinks); llama_server prefills in its own 512-token "
+    "batches",
     minimum=1,
 )
 
@@ -78,6 +81,8 @@ class GenerateSpec:
     prompt: int
     reply: int
     prefill_step: int
+    served: bool = False
+    """The engine has no decode loop of kvguard's (a server): no chunk gap is measured."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,11 @@ class GenerateDetail:
     turns: int
     """Turns the conversation took."""
     prefill_step: int
+
+
+def streams_through(engine: str) -> bool:
+    """Whether kvguard's own decode loop runs on the engine (a server has none)."""
+    return "stream" in engine_info(engine).policies
 
 
 def post_cap_ppl(nll: np.ndarray, scored: np.ndarray) -> float:
@@ -106,7 +116,17 @@ class GenerateScenario(Scenario[GenerateSpec]):
         check_reaches_eviction(policy, p["tokens"])
         assert policy.cap is not None  # window, sink and engine_default all take one
         turn = p["prompt"] + p["reply"]
-        if p["tokens"] < policy.cap + turn:
+        # One turn over all the tokens (a prompt, then one long reply: llama-server's path past
+        # capacity) scores its reply past the cap; otherwise a whole turn must lie past it.
+        one_turn = turn >= p["tokens"]
+        if one_turn and p["prompt"] >= policy.cap:
+            raise KvguardError(
+                f"the prompt ({p['prompt']} tokens) fills the cap {policy.cap}: the one reply "
+                "would start past it, and the prompt's own eviction would go unscored",
+                fix=f"lower params.prompt below the cap (e.g. {policy.cap // 8})",
+                key="params.prompt",
+            )
+        if not one_turn and p["tokens"] < policy.cap + turn:
             raise KvguardError(
                 f"tokens {p['tokens']} leave no whole turn ({p['prompt']} + {p['reply']} tokens) "
                 f"past the cap {policy.cap}: no reply would be scored after an eviction",
@@ -115,11 +135,23 @@ class GenerateScenario(Scenario[GenerateSpec]):
             )
         require_text_room(fields, p["tokens"], "params.tokens")
         return GenerateSpec(
-            policy, p["tokens"], fields.text_name(), p["prompt"], p["reply"], p["prefill_step"]
-        )
+            policy, p["tokens"], fields.text_name(), p["prompt"], p["reply"], p["prefill_step"],
+            served=not streams_through(fields.engine),
+        )  # fmt: skip
+
+    def check_budgets(self, spec: GenerateSpec, budgets: Budgets) -> None:
+        if spec.served and budgets.max_chunk_gap_pct is not None:
+            raise KvguardError(
+                "max_chunk_gap_pct compares the engine's generate path with kvguard's own "
+                "one-token loop, which does not run through a server",
+                fix="remove max_chunk_gap_pct from this check",
+                key="budgets.max_chunk_gap_pct",
+            )
 
     def planned_runs(self, check: Check[GenerateSpec]) -> list[Planned]:
         spec = check.spec
+        if spec.served:
+            return []
         text = load_text(spec.text, check.base_dir)
         return [RunRequest(check.engine, check.model, p, TextFeed(text, spec.tokens))
                 for p in (Policy("full"), spec.policy)]  # fmt: skip
@@ -143,18 +175,33 @@ class GenerateScenario(Scenario[GenerateSpec]):
                spec.policy, spec.prompt, spec.reply, spec.prefill_step)  # fmt: skip
         (nll, gen_seconds), gen_new = ctx.memo(key, converse)
         full = Policy("full")
-        base_run, base_new = ctx.stream_run(check.engine, check.model, full, text, spec.tokens)
-        # generate takes no chunk: its policy is the one fed one token at a time by the loop.
-        single_run, single_new = ctx.stream_run(check.engine, check.model, spec.policy, text,
+        if not spec.served:
+            base_run, base_new = ctx.stream_run(check.engine, check.model, full, text,
                                                 spec.tokens)  # fmt: skip
+            base_nll, base_seconds = base_run.nll, base_run.seconds
+            # generate takes no chunk: its policy is the one fed one token at a time by the loop.
+            single_run, single_new = ctx.stream_run(check.engine, check.model, spec.policy, text,
+                                                    spec.tokens)  # fmt: skip
+            single_nll, single_seconds = single_run.nll, single_run.seconds
+        else:
+            # A server has no decode loop of kvguard's: its baseline is its own generation of
+            # the same turns under a context that never fills; no chunk gap is measured.
+            def full_converse() -> tuple[np.ndarray, float]:
+                started = time.perf_counter()
+                full_nll = engine.converse(full, ids, turns, spec.prefill_step)
+                return full_nll, time.perf_counter() - started
+
+            base_key = key[:5] + (full,) + key[6:]
+            (base_nll, base_seconds), base_new = ctx.memo(base_key, full_converse)
+            single_nll, single_seconds, single_new = None, 0.0, False
         # Reply tokens fed past the cap: nll[i] scores token i+1, fed after token i.
         cap = spec.policy.cap
         assert cap is not None
         positions = np.arange(len(nll))
         scored = ~np.isnan(nll) & (positions >= cap)
         post = post_cap_ppl(nll, scored)
-        baseline = post_cap_ppl(base_run.nll, scored)
-        single = post_cap_ppl(single_run.nll, scored)
+        baseline = post_cap_ppl(base_nll, scored)
+        single = math.nan if single_nll is None else post_cap_ppl(single_nll, scored)
         return Measured(
             policy=spec.policy.describe(),
             tokens=spec.tokens,
@@ -163,14 +210,20 @@ class GenerateScenario(Scenario[GenerateSpec]):
                 "post_eviction_ppl": post,
                 "baseline_post_eviction_ppl": baseline,
                 "ppl_increase_pct": (post / baseline - 1.0) * 100.0,
-                "single_token_post_eviction_ppl": single,
-                "chunk_gap_pct": (post / single - 1.0) * 100.0,
+                **(
+                    {}
+                    if spec.served
+                    else {
+                        "single_token_post_eviction_ppl": single,
+                        "chunk_gap_pct": (post / single - 1.0) * 100.0,
+                    }
+                ),
                 "scored_tokens": float(scored.sum()),
             },
             seconds={
                 "generate": gen_seconds if gen_new else 0.0,
-                "baseline": base_run.seconds if base_new else 0.0,
-                "single_token": single_run.seconds if single_new else 0.0,
+                "baseline": base_seconds if base_new else 0.0,
+                "single_token": single_seconds if single_new else 0.0,
             },
             tokens_per_second=spec.tokens / gen_seconds if gen_seconds else math.inf,
             detail=GenerateDetail(turns=len(turns), prefill_step=spec.prefill_step),
@@ -184,8 +237,9 @@ class GenerateScenario(Scenario[GenerateSpec]):
             lines.append([[
                 str(o.detail.turns), f"{m['scored_tokens']:.0f}",
                 f"{m['baseline_post_eviction_ppl']:.2f}",
-                f"{m['single_token_post_eviction_ppl']:.2f}", f"{m['post_eviction_ppl']:.2f}",
-                f"{m['ppl_increase_pct']:+.1f}%", f"{m['chunk_gap_pct']:+.1f}%",
+                f"{m['single_token_post_eviction_ppl']:.2f}" if "chunk_gap_pct" in m else "-",
+                f"{m['post_eviction_ppl']:.2f}", f"{m['ppl_increase_pct']:+.1f}%",
+                f"{m['chunk_gap_pct']:+.1f}%" if "chunk_gap_pct" in m else "-",
             ]])  # fmt: skip
         return headers, lines
 

@@ -1,0 +1,678 @@
+"""Engine adapter ``llama_server``: llama.cpp's own HTTP server, as production deployments run it.
+
+Either kvguard starts a real ``llama-server`` binary with the settings a check implies (context
+size, ``--swa-full``, ``--ctx-checkpoints``, context shift), waits until ``/health`` answers and
+stops it when done; or a check names an existing server by its URL (``model: http://host:port``)
+and kvguard reads its settings from ``/props`` and refuses checks they contradict.
+
+Everything is measured through the server's own API:
+
+- **edit_replay**: both prompts are sent to ``/completion`` as token ids with ``cache_prompt``;
+  the follow-up's reuse is the server's own ``timings.cache_n`` and ``timings.prompt_n``.
+- **generate** past capacity: one request, the first turn's tokens as the prompt and every
+  later token *generated* with a grammar of token ids (``root ::= <[id]> <[id]> ...``) forcing
+  the text's own token as the sampled one. ``n_probs: 1`` with ``post_sampling_probs: false``
+  makes the server report each sampled token's probability under its raw logits (a softmax over
+  the whole vocabulary, before any sampler), so the forced token is scored exactly as the other
+  engines score it. The server shifts its context as it generates (``--context-shift``,
+  ``n_keep`` = the policy's sinks, ``n_discard`` = its evict step).
+- **memory**: the KV buffer llama.cpp logs when the server creates its context, the checkpoint
+  sizes it logs, and the server process's peak resident memory (Linux ``VmHWM``).
+
+Only the Python standard library is used here: the adapter needs no engine package installed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from pytest_kvguard.engines import EngineOptions
+from pytest_kvguard.engines.buffer_sizes import buffer_mib
+from pytest_kvguard.engines.conversation import Turn
+from pytest_kvguard.errors import EngineError, KvguardError
+from pytest_kvguard.models import builtin_chat_template
+from pytest_kvguard.policies import Policy
+
+BINARY_ENV = "KVGUARD_LLAMA_SERVER"
+"""Path to the llama-server binary (default: next to the running Python, then PATH)."""
+START_TIMEOUT_ENV = "KVGUARD_SERVER_START_TIMEOUT"
+REQUEST_TIMEOUT_ENV = "KVGUARD_SERVER_TIMEOUT"
+DEFAULT_START_TIMEOUT = 120.0
+"""Seconds a started server gets to load its model and answer /health."""
+DEFAULT_REQUEST_TIMEOUT = 600.0
+"""Seconds one request may take (a forced generation of a few thousand tokens is well under)."""
+UBATCH = 512
+"""The in-process llama_cpp adapter's batch and ubatch: the same here, so the sliding layers
+hold the same cells and reuse can be compared token for token."""
+TOKENIZE_CTX = 512
+"""Context of the server started only to tokenize and render chats."""
+SLOT = 0
+
+
+def load(target: Path | str, options: EngineOptions) -> LlamaServerEngine:
+    return LlamaServerEngine(target, options)
+
+
+def _seconds_from_env(var: str, default: float) -> float:
+    raw = os.environ.get(var)
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not value > 0 or math.isinf(value):
+        raise KvguardError(
+            f"${var}={raw!r} is not a positive number of seconds", fix=f"unset {var}"
+        )
+    return value
+
+
+def find_binary() -> Path:
+    """The llama-server to start: $KVGUARD_LLAMA_SERVER, the one `.ci/install` puts next to the
+    virtual environment's Python, or one on PATH."""
+    raw = os.environ.get(BINARY_ENV)
+    if raw:
+        path = Path(raw)
+        if not (path.is_file() and os.access(path, os.X_OK)):
+            raise KvguardError(
+                f"${BINARY_ENV}={raw} is not an executable file",
+                fix="point it at a llama-server binary, or unset it",
+            )
+        return path
+    beside = Path(sys.executable).parent / "llama-server"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return beside
+    found = shutil.which("llama-server")
+    if found:
+        return Path(found)
+    raise KvguardError(
+        "engine 'llama_server' needs a llama-server binary, and none was found",
+        fix=f"run `bash .ci/install` (it builds one into .venv/bin), set ${BINARY_ENV}, or give "
+        "the check a running server as model: http://HOST:PORT",
+    )
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """The command-line settings of a server kvguard starts: one server per distinct value."""
+
+    n_ctx: int
+    swa_full: bool = False
+    ctx_checkpoints: int = 0
+    checkpoint_min_step: int = 0
+    context_shift: bool = False
+
+    def args(self) -> list[str]:
+        args = ["--ctx-size", str(self.n_ctx), "--parallel", "1"]
+        args += ["--batch-size", str(UBATCH), "--ubatch-size", str(UBATCH)]
+        args += ["--ctx-checkpoints", str(self.ctx_checkpoints)]
+        args += ["--checkpoint-min-step", str(self.checkpoint_min_step)]
+        args += ["--context-shift" if self.context_shift else "--no-context-shift"]
+        if self.swa_full:
+            args.append("--swa-full")
+        return args
+
+
+class Http:
+    """JSON over HTTP to one server, every request under a timeout; failures become one line."""
+
+    def __init__(self, url: str, timeout: float, alive: Any = None) -> None:
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self.alive = alive
+        """Called on a failed request: raises if the server process has died (its exit and log
+        tail say more than a refused connection)."""
+
+    def get(self, path: str, timeout: float | None = None) -> Any:
+        return self._request("GET", path, None, timeout)
+
+    def post(self, path: str, body: Mapping[str, Any], timeout: float | None = None) -> Any:
+        return self._request("POST", path, body, timeout)
+
+    def _request(
+        self, method: str, path: str, body: Mapping[str, Any] | None, timeout: float | None
+    ) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(
+            self.url + path, data=data, method=method,
+            headers={"Content-Type": "application/json"} if data is not None else {},
+        )  # fmt: skip
+        where = f"llama-server at {self.url}: {method} {path}"
+        try:
+            with urllib.request.urlopen(request, timeout=timeout or self.timeout) as response:
+                raw = response.read()
+        except urllib.error.HTTPError as exc:
+            text = exc.read().decode("utf-8", "replace")
+            raise EngineError(f"{where} answered HTTP {exc.code}: {_error_text(text)}") from None
+        except (urllib.error.URLError, OSError) as exc:
+            if self.alive is not None:
+                self.alive()
+            reason = getattr(exc, "reason", exc)
+            if isinstance(reason, TimeoutError) or isinstance(exc, TimeoutError):
+                raise EngineError(
+                    f"{where} gave no answer within {timeout or self.timeout:.0f} s",
+                    fix=f"raise ${REQUEST_TIMEOUT_ENV}, or check the server",
+                ) from None
+            raise EngineError(
+                f"{where} failed: {reason}", fix="check that the server runs"
+            ) from None
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            excerpt = raw[:120].decode("utf-8", "replace")
+            raise EngineError(
+                f"{where} answered something that is not JSON: {excerpt!r}",
+                fix="check that the URL is a llama-server",
+            ) from None
+
+
+def _error_text(text: str) -> str:
+    """The server's own error message out of its JSON error body, else the body's start."""
+    with contextlib.suppress(json.JSONDecodeError, AttributeError, TypeError):
+        error = json.loads(text)["error"]
+        return str(error.get("message", error))
+    return text[:200]
+
+
+def _field(answer: Any, *keys: str, where: str) -> Any:
+    """``answer[k1][k2]...``, or an error naming what the server left out."""
+    value = answer
+    for key in keys:
+        if not isinstance(value, Mapping) or key not in value:
+            raise EngineError(
+                f"llama-server's {where} answer has no '{'.'.join(keys)}': {str(answer)[:160]}",
+                fix="use a llama-server from llama.cpp b6000 or later",
+            )
+        value = value[key]
+    return value
+
+
+_CHECKPOINT_SIZE = re.compile(r"created context checkpoint \d+ of \d+ .*?size = ([\d.]+) MiB")
+
+
+class ServerProcess:
+    """A llama-server kvguard started: health-checked, its log kept, stopped on close."""
+
+    def __init__(
+        self, binary: Path, model_path: Path, settings: ServerSettings, options: EngineOptions
+    ) -> None:
+        self.settings = settings
+        # Kept open while the server runs: its log is read for sizes and quoted in errors.
+        self.log: IO[bytes] = tempfile.NamedTemporaryFile(  # noqa: SIM115
+            prefix="kvguard-llama-server-", suffix=".log"
+        )
+        # Slots can be erased (and saved) only with a save path.
+        self.slot_dir = tempfile.TemporaryDirectory(prefix="kvguard-llama-server-slots-")
+        port = _free_port()
+        # --cache-ram 0: no host-memory prompt cache, so a slot reuses only what it holds.
+        # --log-verbosity 4: llama.cpp's buffer sizes and the checkpoints reach the log.
+        command = [str(binary), "--model", str(model_path), "--host", "127.0.0.1",
+                   "--port", str(port), "--threads", str(options.n_threads),
+                   "--n-gpu-layers", str(options.n_gpu_layers), "--cache-ram", "0",
+                   "--metrics", "--slots", "--no-webui", "--no-warmup",
+                   "--no-prefill-assistant", "--slot-save-path", self.slot_dir.name,
+                   "--log-verbosity", "4",
+                   *settings.args()]  # fmt: skip
+        builtin = builtin_chat_template(model_path)
+        if builtin:
+            # As the in-process engine renders chats for a GGUF without a template: llama.cpp's
+            # built-in one, which only its non-Jinja path knows (the server's own fallback
+            # would be chatml).
+            command += ["--no-jinja", "--chat-template", builtin]
+        self.command = command
+        self.process = subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        )  # fmt: skip
+        timeout = _seconds_from_env(REQUEST_TIMEOUT_ENV, DEFAULT_REQUEST_TIMEOUT)
+        self.http = Http(
+            f"http://127.0.0.1:{port}", timeout, alive=lambda: self.check_alive(grace=2.0)
+        )
+        try:
+            self._wait_healthy(_seconds_from_env(START_TIMEOUT_ENV, DEFAULT_START_TIMEOUT))
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        last = "no answer"
+        while time.monotonic() < deadline:
+            self.check_alive()
+            try:
+                with urllib.request.urlopen(self.http.url + "/health", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except urllib.error.HTTPError as exc:
+                last = f"HTTP {exc.code}"  # 503 while the model loads
+            except (urllib.error.URLError, OSError) as exc:
+                last = str(getattr(exc, "reason", exc))
+            time.sleep(0.1)
+        raise EngineError(
+            f"llama-server did not become healthy within {timeout:.0f} s (last: {last}); "
+            f"its log ends: {self.log_tail()}",
+            fix=f"raise ${START_TIMEOUT_ENV}, or run the command by hand: {' '.join(self.command)}",
+        )
+
+    def check_alive(self, grace: float = 0.0) -> None:
+        """Raise, quoting the log, if the server has exited (waiting up to ``grace`` seconds
+        for an exit a dropped connection suggests)."""
+        code = self.process.poll()
+        if code is None and grace:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                code = self.process.wait(timeout=grace)
+        if code is not None:
+            how = f"signal {-code}" if code < 0 else f"code {code}"
+            raise EngineError(
+                f"llama-server (pid {self.process.pid}) exited with {how}; its log ends: "
+                f"{self.log_tail()}",
+                fix="see the log above; the server's command was: " + " ".join(self.command),
+            )
+
+    def log_text(self) -> str:
+        with open(self.log.name, "rb") as log:
+            return log.read().decode("utf-8", "replace")
+
+    def log_tail(self, lines: int = 3) -> str:
+        tail = [line.strip() for line in self.log_text().strip().splitlines()[-lines:]]
+        return " | ".join(tail) or "(empty)"
+
+    def peak_rss_bytes(self) -> float:
+        """The server process's peak resident memory (Linux VmHWM); NaN elsewhere."""
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    return float(line.split()[1]) * 1024
+        return math.nan
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+        self.slot_dir.cleanup()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    """Linux: the server gets SIGTERM when the process that started it dies (a crashed engine
+    worker leaves no server behind)."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+class LlamaServerEngine:
+    """llama-server, started per settings (one process at a time) or already running at a URL."""
+
+    name = "llama_server"
+    kv_element_bytes = 2.0
+    """llama-server's default cache type, f16."""
+
+    def __init__(self, target: Path | str, options: EngineOptions) -> None:
+        self.options = options
+        self.url = str(target) if _is_url(str(target)) else None
+        self.model_path = None if self.url else Path(target)
+        self.binary = None if self.url else find_binary()
+        self.server: ServerProcess | None = None
+        self.http: Http | None = None
+        if self.url:
+            self.http = Http(self.url, _seconds_from_env(REQUEST_TIMEOUT_ENV,
+                             DEFAULT_REQUEST_TIMEOUT))  # fmt: skip
+        self._props: dict[str, Any] | None = None
+        self._adds_bos: bool | None = None
+        self.last_shifts: list[tuple[int, int, int]] = []
+        """(n_keep, n_left, n_discard) of each shift in the last converse (a started server)."""
+
+    # -- servers ---------------------------------------------------------------------------
+
+    def serve(self, settings: ServerSettings | None) -> Http:
+        """A server with these settings (None: any), started if kvguard starts servers;
+        an existing server's settings checked against them."""
+        if self.url:
+            assert self.http is not None
+            if settings is not None:
+                self._check_existing(settings)
+            return self.http
+        if self.server is not None and (settings is None or self.server.settings == settings):
+            self.server.check_alive()
+            return self.server.http
+        if self.server is not None:
+            self.server.stop()  # one at a time: each holds the model and its own cache
+            self.server = None
+        assert self.binary is not None and self.model_path is not None
+        self.server = ServerProcess(
+            self.binary, self.model_path, settings or ServerSettings(TOKENIZE_CTX), self.options
+        )
+        self._props = None
+        return self.server.http
+
+    def props(self) -> dict[str, Any]:
+        if self._props is None:
+            answer = self.serve(None).get("/props")
+            if not isinstance(answer, dict):
+                raise EngineError(f"llama-server's /props answer is not an object: {answer!r:.120}")
+            self._props = answer
+        return self._props
+
+    def slot_n_ctx(self) -> int:
+        return int(_field(self.props(), "default_generation_settings", "n_ctx", where="/props"))
+
+    def _check_existing(self, settings: ServerSettings) -> None:
+        """Refuse a check the running server's /props contradict (it cannot be restarted)."""
+        props = self.props()
+        slots = int(_field(props, "total_slots", where="/props"))
+        n_ctx = self.slot_n_ctx()
+        where = f"the llama-server at {self.url}"
+        if settings.context_shift:
+            if n_ctx != settings.n_ctx:
+                raise KvguardError(
+                    f"{where} gives each slot {n_ctx} tokens of context; this check's cap needs "
+                    f"{settings.n_ctx} (cap + 1: the server shifts when one more token would "
+                    "not fit)",
+                    fix=f"use cap: {n_ctx - 1}, or start the server with --ctx-size "
+                    f"{settings.n_ctx * slots} --parallel {slots}",
+                    key="params.cap",
+                )
+        elif n_ctx < settings.n_ctx:
+            raise KvguardError(
+                f"{where} gives each slot {n_ctx} tokens of context; this check needs "
+                f"{settings.n_ctx}",
+                fix=f"start the server with --ctx-size {settings.n_ctx * slots} or more",
+            )
+
+    def version(self) -> str:
+        info = self.props().get("build_info")
+        return str(info) if info else "unknown"
+
+    def describe(self) -> dict[str, str]:
+        facts = {"engine": f"llama-server {self.version()}"}
+        if self.url:
+            facts["url"] = self.url
+        else:
+            facts["binary"] = str(self.binary)
+            facts["n_threads"] = str(self.options.n_threads)
+            facts["n_gpu_layers"] = str(self.options.n_gpu_layers)
+        return facts
+
+    # -- text ------------------------------------------------------------------------------
+
+    def tokenize(self, text: str) -> list[int]:
+        # As the in-process engines do: BOS where the model wants one, special-token text
+        # (a chat template's markers) not parsed, so every engine is fed the same ids.
+        body = {"content": text, "add_special": True, "parse_special": False}
+        answer = self.serve(None).post("/tokenize", body)
+        tokens = _field(answer, "tokens", where="/tokenize")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            raise EngineError(f"llama-server's /tokenize gave no list of ids: {str(tokens)[:120]}")
+        return tokens
+
+    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
+        # As the in-process engine renders a history: no generation prompt, the last reply
+        # closed (kvguard starts its servers with --no-prefill-assistant).
+        body = {"messages": list(messages), "add_generation_prompt": False}
+        answer = self.serve(None).post("/apply-template", body)
+        return str(_field(answer, "prompt", where="/apply-template"))
+
+    def adds_bos(self) -> bool:
+        """Whether the model's tokenizer puts a BOS first (llama-server then keeps one token
+        more than ``n_keep`` when it shifts)."""
+        if self._adds_bos is None:
+            with_special = self.serve(None).post("/tokenize", {"content": "a", "add_special": True})
+            without = self.serve(None).post("/tokenize", {"content": "a", "add_special": False})
+            self._adds_bos = len(_field(with_special, "tokens", where="/tokenize")) > len(
+                _field(without, "tokens", where="/tokenize")
+            )
+        return self._adds_bos
+
+    # -- edit_replay -----------------------------------------------------------------------
+
+    def open_prefix_cache(self, policy: Policy, max_tokens: int) -> ServerPrefixCache:
+        settings = ServerSettings(
+            n_ctx=max_tokens + 1,
+            swa_full=policy.kind == "swa_full",
+            ctx_checkpoints=policy.checkpoints,
+            checkpoint_min_step=policy.checkpoint_step if policy.checkpoints else 0,
+        )
+        return ServerPrefixCache(self, settings)
+
+    # -- generate --------------------------------------------------------------------------
+
+    def converse(
+        self, policy: Policy, token_ids: Sequence[int], turns: Sequence[Turn], prefill_step: int
+    ) -> np.ndarray:
+        """One /completion request: the first turn's prompt prefilled by the server, every
+        later token generated with the text's token forced by a grammar of token ids. Later
+        turns' prompt tokens are generated too (the server shifts its context only while it
+        generates) but not scored; reply tokens are scored from the server's reported
+        probability of the forced token. A ``full`` policy gets a context that never shifts.
+        """
+        del prefill_step  # the server prefills the prompt in its own batches (UBATCH)
+        prompt = turns[0].prompt
+        forced = list(token_ids[prompt : sum(t.prompt + t.reply for t in turns)])
+        if policy.cap is None:
+            settings = ServerSettings(n_ctx=len(token_ids) + 1)
+            keep: int | None = 0
+            discard = 0
+        else:
+            settings = ServerSettings(n_ctx=policy.cap + 1, context_shift=True)
+            keep, discard = self._keep_and_discard(policy)
+            if prompt >= policy.cap:
+                raise KvguardError(
+                    f"the first prompt ({prompt} tokens) does not fit the cap {policy.cap}: "
+                    "llama-server refuses a prompt longer than its context",
+                    fix="lower params.prompt below the cap",
+                    key="params.prompt",
+                )
+        http = self.serve(settings)
+        self._check_context(settings)
+        body: dict[str, Any] = {
+            "prompt": list(token_ids[:prompt]), "n_predict": len(forced), "cache_prompt": False,
+            "grammar": "root ::= " + " ".join(f"<[{t}]>" for t in forced),
+            "n_probs": 1, "post_sampling_probs": False, "temperature": 0.0, "id_slot": SLOT,
+        }  # fmt: skip
+        if keep is not None:
+            body.update(n_keep=keep, n_discard=discard)
+        log_start = len(self.server.log_text()) if self.server else 0
+        answer = http.post("/completion", body)
+        probs = _field(answer, "completion_probabilities", where="/completion")
+        if not isinstance(probs, list) or len(probs) != len(forced):
+            got = len(probs) if isinstance(probs, list) else "no"
+            stop = answer.get("stop_type") if isinstance(answer, dict) else None
+            raise EngineError(
+                f"llama-server generated {got} of {len(forced)} forced tokens (stop: {stop})",
+                fix="check the server's log; an existing server needs --context-shift",
+            )
+        nll = np.full(len(token_ids) - 1, np.nan)
+        scored = _reply_positions(turns)
+        for offset, (entry, wanted) in enumerate(zip(probs, forced, strict=True)):
+            if entry.get("id") != wanted:
+                raise EngineError(
+                    f"llama-server sampled token {entry.get('id')} where the grammar forced "
+                    f"{wanted} (token {prompt + offset})"
+                )
+            position = prompt + offset  # the token scored; nll[i] scores token i + 1
+            if position in scored:
+                nll[position - 1] = -float(entry["logprob"])
+        self.last_shifts = self._shifts(log_start)
+        return nll
+
+    def _keep_and_discard(self, policy: Policy) -> tuple[int | None, int]:
+        """The request's n_keep and n_discard for a capped policy. llama-server keeps n_keep
+        tokens, one more where the model adds a BOS; engine_default leaves both to the server
+        (its own n_keep, default 0, and half of what is left)."""
+        if policy.kind == "engine_default":
+            return None, 0  # not sent: the server's own
+        bos = 1 if self.adds_bos() else 0
+        if policy.sinks < bos:
+            raise KvguardError(
+                "llama-server always keeps the BOS when it shifts (n_keep counts it on top), so "
+                "it cannot run a window without one on this model",
+                fix="use policy: sink with sinks: 1 (the BOS alone), or engine_default",
+                key="policy",
+            )
+        return policy.sinks - bos, policy.evict_step
+
+    def _check_context(self, settings: ServerSettings) -> None:
+        n_ctx = self.slot_n_ctx()
+        if settings.context_shift and n_ctx != settings.n_ctx:
+            raise EngineError(
+                f"llama-server gave its slot {n_ctx} tokens of context where {settings.n_ctx} "
+                "was asked: it would shift at another length than the cap",
+                fix="use a cap llama.cpp does not round (cap + 1 a multiple of 256 is safe)",
+            )
+
+    def _shifts(self, log_start: int) -> list[tuple[int, int, int]]:
+        """(n_keep, n_left, n_discard) of each context shift a started server logged since."""
+        if self.server is None:
+            return []
+        found = re.findall(r"slot context shift, n_keep = (\d+), n_left = (\d+), n_discard = (\d+)",
+                           self.server.log_text()[log_start:])  # fmt: skip
+        return [(int(a), int(b), int(c)) for a, b, c in found]
+
+    # -- not through HTTP ------------------------------------------------------------------
+
+    def open_stream(self, policy: Policy, max_tokens: int) -> Any:
+        raise KvguardError(
+            "llama-server returns no logits for prompt tokens, so kvguard's own streaming loop "
+            "cannot run through it",
+            fix="use scenario generate (the server's own generation past capacity) or "
+            "edit_replay with engine llama_server",
+        )
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+
+def _is_url(text: str) -> bool:
+    return text.startswith(("http://", "https://"))
+
+
+def _reply_positions(turns: Sequence[Turn]) -> set[int]:
+    """Indices of the tokens the turns generate as replies (the ones scored)."""
+    positions: set[int] = set()
+    done = 0
+    for turn in turns:
+        done += turn.prompt
+        positions.update(range(done, done + turn.reply))
+        done += turn.reply
+    return positions
+
+
+class ServerPrefixCache:
+    """One slot of a server holding a prompt; the follow-up's reuse is the server's own count.
+
+    Implements ``replay`` (the edit_replay scenario calls it instead of keep_prefix and extend):
+    llama-server decides what it reuses when the follow-up arrives, and says so in timings.
+    """
+
+    def __init__(self, engine: LlamaServerEngine, settings: ServerSettings) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.http = engine.serve(settings)
+        self._erase()
+        self.first_answer: dict[str, Any] | None = None
+        self.log_start = len(engine.server.log_text()) if engine.server else 0
+
+    def _erase(self) -> None:
+        """Start from an empty slot: the previous check's prompt must not be reused."""
+        self.http.post(f"/slots/{SLOT}?action=erase", {})
+
+    def _complete(self, token_ids: Sequence[int]) -> dict[str, Any]:
+        body = {"prompt": list(token_ids), "n_predict": 1, "cache_prompt": True,
+                "temperature": 0.0, "id_slot": SLOT}  # fmt: skip
+        answer = self.http.post("/completion", body)
+        if not isinstance(answer, dict):
+            raise EngineError(
+                f"llama-server's /completion answer is not an object: {answer!r:.120}"
+            )
+        return answer
+
+    def extend(self, token_ids: Sequence[int], start: int) -> None:
+        if start != 0:
+            raise EngineError("a llama-server prefix cache is filled by whole prompts only")
+        self.first_answer = self._complete(token_ids)
+
+    def replay(self, token_ids: Sequence[int]) -> tuple[int, int, int | None]:
+        """Send the follow-up: (reused, re-prefilled, checkpoint restored) from the server's
+        ``timings.cache_n``, ``timings.prompt_n`` and its log."""
+        answer = self._complete(token_ids)
+        reused = int(_field(answer, "timings", "cache_n", where="/completion"))
+        reprefilled = int(_field(answer, "timings", "prompt_n", where="/completion"))
+        if reused + reprefilled != len(token_ids):
+            raise EngineError(
+                f"llama-server counted {reused} reused + {reprefilled} processed tokens for a "
+                f"{len(token_ids)}-token prompt"
+            )
+        restored = None
+        if self.engine.server is not None:
+            log = self.engine.server.log_text()[self.log_start :]
+            found = re.findall(r"restored context checkpoint \(.*?n_tokens = (\d+)", log)
+            restored = int(found[-1]) if found else None
+        return reused, reprefilled, restored
+
+    def memory_bytes(self) -> dict[str, float]:
+        """The KV buffer the server's context holds and the checkpoints it made since this
+        cache opened, both as the server logged them."""
+        server = self.engine.server
+        if server is None:
+            return {"state_bytes": math.nan, "checkpoint_bytes": math.nan, "checkpoints": math.nan}
+        log = server.log_text()
+        checkpoints = [float(m) * 2**20 for m in _CHECKPOINT_SIZE.findall(log[self.log_start :])]
+        most = self.settings.ctx_checkpoints
+        kept = checkpoints[-most:] if most else []
+        return {
+            "state_bytes": buffer_mib([log])["KV"],
+            "checkpoint_bytes": float(sum(kept)),
+            "checkpoints": float(len(kept)),
+        }
+
+    def keep_prefix(self, n_tokens: int) -> tuple[int, int | None]:
+        raise EngineError("llama-server decides its own reuse: use replay()")
+
+    def close(self) -> None:
+        pass  # the server stays up for the next check with the same settings
+
+
+def binary_version() -> str | None:
+    """``llama-server --version`` of the binary kvguard would start; None where there is none."""
+    try:
+        binary = find_binary()
+        done = subprocess.run([str(binary), "--version"], capture_output=True, timeout=30,
+                              check=False)  # fmt: skip
+    except (KvguardError, OSError, subprocess.TimeoutExpired):
+        return None
+    found = re.search(r"version: ([^\n]+)", done.stdout.decode() + done.stderr.decode())
+    return found.group(1) if found else "unknown"
