@@ -191,6 +191,33 @@ CASES = {
         "    budgets: {max_sink_mass_diff_pct: 5}\n",
         "budgets.yaml:6: attention_parity compares two engines, and both are 'fake'*",
     ),
+    # llama-server: what a server cannot be asked
+    "server_cap_between_context_steps": (
+        "    scenario: generate\n    engine: llama_server\n    policy: sink\n"
+        "    params: {cap: 256, tokens: 1500, prompt: 32, reply: 1468}\n"
+        "    budgets: {max_ppl_increase_pct: 25}\n",
+        "budgets.yaml:8: engine 'llama_server' holds at most a multiple of 256 cells minus one "
+        "(it shifts when one more token would not fit), so cap 256 cannot be asked of it "
+        "(fix: use cap: 255 or 511)",
+    ),
+    "server_chunk_gap": (
+        "    scenario: generate\n    engine: llama_server\n    policy: sink\n"
+        "    params: {cap: 255, tokens: 1500, prompt: 32, reply: 1468}\n"
+        "    budgets: {max_chunk_gap_pct: 5}\n",
+        "budgets.yaml:9: max_chunk_gap_pct compares the engine's generate path with kvguard's "
+        "own one-token loop, which does not run through a server*",
+    ),
+    "one_turn_prompt_over_the_cap": (
+        "    scenario: generate\n    policy: sink\n"
+        "    params: {cap: 64, tokens: 400, prompt: 100, reply: 300}\n"
+        "    budgets: {max_ppl_increase_pct: 25}\n",
+        "budgets.yaml:7: the prompt (100 tokens) fills the cap 64*",
+    ),
+    "server_stream": (
+        "    engine: llama_server\n    policy: sink\n    params: {cap: 255, tokens: 1500}\n"
+        "    budgets: {max_ppl_increase_pct: 25}\n",
+        "budgets.yaml:6: engine 'llama_server' does not implement policy 'sink' for stream*",
+    ),
 }
 
 
