@@ -136,6 +136,13 @@ def _build(
                     fix="give a bundled model or a .gguf file"
                     + (" (a URL is for engine llama_server)" if model.form == "url" else ""),
                 )
+        if model.form == "url" and kind != "edit_replay":
+            # generate restarts the server with another context for its baseline, and the
+            # other scenarios need logits or cache access the HTTP API does not give.
+            raise KvguardError(
+                f"a running server (model: {model.name}) can serve edit_replay checks only",
+                fix="give the model file instead, so kvguard starts the server for this check",
+            )
     except KvguardError as exc:
         raise exc.keyed("model") from None
 
@@ -177,6 +184,12 @@ def _build(
             if key not in scenario.budgets:
                 raise _not_applying(key, kind, scenario.budgets)
     scenario.check_budgets(spec, budgets)
+    if model.form == "url" and budgets.max_memory_bytes is not None:
+        raise KvguardError(
+            "memory is read from the log of a server kvguard starts, and this one runs elsewhere",
+            fix="remove max_memory_bytes, or give the model file so kvguard starts the server",
+            key="budgets.max_memory_bytes",
+        )
 
     expect = text("expect", "pass", from_defaults=False)
     if expect not in EXPECTATIONS:

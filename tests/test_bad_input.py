@@ -213,6 +213,18 @@ CASES = {
         "    budgets: {max_ppl_increase_pct: 25}\n",
         "budgets.yaml:7: the prompt (100 tokens) fills the cap 64*",
     ),
+    "a_running_server_for_generate": (
+        "    scenario: generate\n    engine: llama_server\n    model: http://127.0.0.1:8080\n"
+        "    policy: sink\n    params: {cap: 255, tokens: 1500, prompt: 32, reply: 1468}\n",
+        "budgets.yaml:7: a running server (model: http://127.0.0.1:8080) can serve edit_replay "
+        "checks only*",
+    ),
+    "a_running_servers_memory": (
+        "    scenario: edit_replay\n    engine: llama_server\n    model: http://127.0.0.1:8080\n"
+        "    policy: full\n    params: {followup: append}\n"
+        "    budgets: {max_memory_bytes: 10 MiB}\n",
+        "budgets.yaml:10: memory is read from the log of a server kvguard starts*",
+    ),
     "server_stream": (
         "    engine: llama_server\n    policy: sink\n    params: {cap: 255, tokens: 1500}\n"
         "    budgets: {max_ppl_increase_pct: 25}\n",

@@ -32,8 +32,9 @@ checks:
 """
 
 HTTP_SERVER = """\
-import http.server, os, sys
+import http.server, json, os, sys
 port = int(sys.argv[sys.argv.index("--port") + 1])
+model = sys.argv[sys.argv.index("--model") + 1]
 MODE = {mode!r}
 
 class Handler(http.server.BaseHTTPRequestHandler):
@@ -49,6 +50,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         if self.path == "/health":
             self.answer(b'{{"status": "ok"}}')
+        elif self.path == "/props":  # it is the server kvguard started, serving its model
+            self.answer(json.dumps({{"model_path": model}}).encode())
         else:
             self.answer(b"<html>not a llama-server</html>")
 
@@ -56,6 +59,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if MODE == "die":
             print("server: giving up on", self.path, flush=True)
             os._exit(7)
+        if MODE == "protocol":
+            self.wfile.write(b"SSH-2.0-OpenSSH\\r\\n\\r\\n")  # not HTTP at all
+            return
         self.answer(b"<html>not a llama-server</html>")
 
 http.server.HTTPServer(("127.0.0.1", port), Handler).serve_forever()
@@ -108,12 +114,19 @@ def test_a_server_that_never_becomes_healthy_is_stopped_at_its_start_limit(
         assert "KVGUARD_SERVER_START_TIMEOUT" in error
 
 
-def test_a_server_that_answers_garbage_is_one_error_per_check(gate: pytest.Pytester) -> None:
-    binary = fake_server(gate.path, f"#!{sys.executable}\n" + HTTP_SERVER.format(mode="garbage"))
+@pytest.mark.parametrize(
+    ("mode", "said"),
+    [("garbage", "answered something that is not JSON: '<html>"),
+     ("protocol", "answered something that is not HTTP: BadStatusLine")],
+)  # fmt: skip
+def test_a_server_that_answers_garbage_is_one_error_per_check(
+    gate: pytest.Pytester, mode: str, said: str
+) -> None:
+    binary = fake_server(gate.path, f"#!{sys.executable}\n" + HTTP_SERVER.format(mode=mode))
     result, report = run_gate(gate, binary)
     result.assert_outcomes(failed=2)
     for error in errors_of(report).values():
-        assert "answered something that is not JSON" in error and "<html>" in error
+        assert said in error
 
 
 def test_a_server_that_dies_mid_check_is_one_error_per_check(gate: pytest.Pytester) -> None:
@@ -124,13 +137,19 @@ def test_a_server_that_dies_mid_check_is_one_error_per_check(gate: pytest.Pytest
         assert "exited with code 7" in error and "server: giving up on" in error
 
 
-def test_no_binary_names_the_install_command(
-    gate: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_binary_that_is_not_there_is_one_error_per_check(gate: pytest.Pytester) -> None:
     result, report = run_gate(gate, gate.path / "no-such-llama-server")
     result.assert_outcomes(failed=2)
     for error in errors_of(report).values():
         assert "KVGUARD_LLAMA_SERVER" in error and "is not an executable file" in error
+
+
+def test_a_binary_that_cannot_run_is_one_error_per_check(gate: pytest.Pytester) -> None:
+    binary = fake_server(gate.path, "not a program\n")  # executable, yet no interpreter line
+    result, report = run_gate(gate, binary)
+    result.assert_outcomes(failed=2)
+    for error in errors_of(report).values():
+        assert "could not be started: Exec format error" in error and ".ci/install" in error
 
 
 def test_a_url_is_a_model_only_for_a_server_engine(gate: pytest.Pytester) -> None:

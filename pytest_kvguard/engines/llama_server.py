@@ -16,15 +16,18 @@ Everything is measured through the server's own API:
   the whole vocabulary, before any sampler), so the forced token is scored exactly as the other
   engines score it. The server shifts its context as it generates (``--context-shift``,
   ``n_keep`` = the policy's sinks, ``n_discard`` = its evict step).
-- **memory**: the KV buffer llama.cpp logs when the server creates its context, the checkpoint
-  sizes it logs, and the server process's peak resident memory (Linux ``VmHWM``).
+- **memory**: the KV buffer llama.cpp logs when the server creates its context and the
+  checkpoint sizes it logs (a server kvguard started; an existing one's log is not ours).
 
-Only the Python standard library is used here: the adapter needs no engine package installed.
+HTTP goes through the standard library: the adapter needs no engine package installed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
+import http.client
 import json
 import math
 import os
@@ -164,6 +167,14 @@ class Http:
         except urllib.error.HTTPError as exc:
             text = exc.read().decode("utf-8", "replace")
             raise EngineError(f"{where} answered HTTP {exc.code}: {_error_text(text)}") from None
+        except (http.client.HTTPException, ValueError) as exc:
+            # Bytes that are not HTTP (BadStatusLine, IncompleteRead), or a URL urllib refuses.
+            if self.alive is not None:
+                self.alive()
+            raise EngineError(
+                f"{where} answered something that is not HTTP: {type(exc).__name__} {exc}"[:300],
+                fix="check that the URL is a llama-server",
+            ) from None
         except (urllib.error.URLError, OSError) as exc:
             if self.alive is not None:
                 self.alive()
@@ -188,7 +199,7 @@ class Http:
 
 def _error_text(text: str) -> str:
     """The server's own error message out of its JSON error body, else the body's start."""
-    with contextlib.suppress(json.JSONDecodeError, AttributeError, TypeError):
+    with contextlib.suppress(json.JSONDecodeError, AttributeError, TypeError, KeyError):
         error = json.loads(text)["error"]
         return str(error.get("message", error))
     return text[:200]
@@ -217,6 +228,15 @@ class ServerProcess:
         self, binary: Path, model_path: Path, settings: ServerSettings, options: EngineOptions
     ) -> None:
         self.settings = settings
+        # Everything that can refuse is read before the process exists, so nothing leaks.
+        timeout = _seconds_from_env(REQUEST_TIMEOUT_ENV, DEFAULT_REQUEST_TIMEOUT)
+        start_timeout = _seconds_from_env(START_TIMEOUT_ENV, DEFAULT_START_TIMEOUT)
+        try:
+            builtin = builtin_chat_template(model_path)
+        except Exception as exc:  # gguf raises ValueError/struct.error on a corrupt header
+            raise KvguardError(
+                f"{model_path} is not a readable GGUF file: {exc}", fix="check the file"
+            ) from None
         # Kept open while the server runs: its log is read for sizes and quoted in errors.
         self.log: IO[bytes] = tempfile.NamedTemporaryFile(  # noqa: SIM115
             prefix="kvguard-llama-server-", suffix=".log"
@@ -233,23 +253,30 @@ class ServerProcess:
                    "--no-prefill-assistant", "--slot-save-path", self.slot_dir.name,
                    "--log-verbosity", "4",
                    *settings.args()]  # fmt: skip
-        builtin = builtin_chat_template(model_path)
         if builtin:
             # As the in-process engine renders chats for a GGUF without a template: llama.cpp's
             # built-in one, which only its non-Jinja path knows (the server's own fallback
             # would be chatml).
             command += ["--no-jinja", "--chat-template", builtin]
         self.command = command
-        self.process = subprocess.Popen(
-            command, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
-        )  # fmt: skip
-        timeout = _seconds_from_env(REQUEST_TIMEOUT_ENV, DEFAULT_REQUEST_TIMEOUT)
+        try:
+            self.process = subprocess.Popen(
+                command, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT,
+                preexec_fn=_die_with_parent if _PRCTL is not None else None,
+            )  # fmt: skip
+        except OSError as exc:
+            self.log.close()
+            self.slot_dir.cleanup()
+            raise KvguardError(
+                f"llama-server {binary} could not be started: {exc.strerror or exc}",
+                fix=f"build it with `bash .ci/install`, or point ${BINARY_ENV} at a working one",
+            ) from None
         self.http = Http(
             f"http://127.0.0.1:{port}", timeout, alive=lambda: self.check_alive(grace=2.0)
         )
         try:
-            self._wait_healthy(_seconds_from_env(START_TIMEOUT_ENV, DEFAULT_START_TIMEOUT))
+            self._wait_healthy(start_timeout)
+            self._check_it_is_ours(model_path)
         except BaseException:
             self.stop()
             raise
@@ -265,7 +292,7 @@ class ServerProcess:
                         return
             except urllib.error.HTTPError as exc:
                 last = f"HTTP {exc.code}"  # 503 while the model loads
-            except (urllib.error.URLError, OSError) as exc:
+            except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
                 last = str(getattr(exc, "reason", exc))
             time.sleep(0.1)
         raise EngineError(
@@ -273,6 +300,19 @@ class ServerProcess:
             f"its log ends: {self.log_tail()}",
             fix=f"raise ${START_TIMEOUT_ENV}, or run the command by hand: {' '.join(self.command)}",
         )
+
+    def _check_it_is_ours(self, model_path: Path) -> None:
+        """The port was free when chosen, yet another server could have taken it since: make
+        sure the one answering is this process, serving this model."""
+        self.check_alive(grace=0.3)
+        props = self.http.get("/props", timeout=30)
+        served = props.get("model_path") if isinstance(props, dict) else None
+        if served != str(model_path):
+            raise EngineError(
+                f"another server answered on {self.http.url} (serving {served!r}), not the "
+                "llama-server kvguard started",
+                fix="run the check again (the port is chosen anew each time)",
+            )
 
     def check_alive(self, grace: float = 0.0) -> None:
         """Raise, quoting the log, if the server has exited (waiting up to ``grace`` seconds
@@ -297,14 +337,6 @@ class ServerProcess:
         tail = [line.strip() for line in self.log_text().strip().splitlines()[-lines:]]
         return " | ".join(tail) or "(empty)"
 
-    def peak_rss_bytes(self) -> float:
-        """The server process's peak resident memory (Linux VmHWM); NaN elsewhere."""
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    return float(line.split()[1]) * 1024
-        return math.nan
-
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.terminate()
@@ -323,13 +355,16 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+_PRCTL = ctypes.CDLL(None).prctl if sys.platform == "linux" else None
+"""Looked up before any fork: the child of a threaded process should not load libraries."""
+
+
 def _die_with_parent() -> None:
     """Linux: the server gets SIGTERM when the process that started it dies (a crashed engine
     worker leaves no server behind)."""
-    import ctypes
-
     pr_set_pdeathsig = 1
-    ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    assert _PRCTL is not None
+    _PRCTL(pr_set_pdeathsig, signal.SIGTERM)
 
 
 class LlamaServerEngine:
@@ -364,8 +399,11 @@ class LlamaServerEngine:
             if settings is not None:
                 self._check_existing(settings)
             return self.http
+        if self.server is not None and self.server.process.poll() is not None:
+            # It died during an earlier check, which reported it: start afresh for this one.
+            self.server.stop()
+            self.server = None
         if self.server is not None and (settings is None or self.server.settings == settings):
-            self.server.check_alive()
             return self.server.http
         if self.server is not None:
             self.server.stop()  # one at a time: each holds the model and its own cache
@@ -507,23 +545,26 @@ class LlamaServerEngine:
         answer = http.post("/completion", body)
         probs = _field(answer, "completion_probabilities", where="/completion")
         if not isinstance(probs, list) or len(probs) != len(forced):
-            got = len(probs) if isinstance(probs, list) else "no"
+            made = len(probs) if isinstance(probs, list) else "no"
             stop = answer.get("stop_type") if isinstance(answer, dict) else None
             raise EngineError(
-                f"llama-server generated {got} of {len(forced)} forced tokens (stop: {stop})",
-                fix="check the server's log; an existing server needs --context-shift",
+                f"llama-server generated {made} of {len(forced)} forced tokens (stop: {stop})",
+                fix="check the server's log",
             )
         nll = np.full(len(token_ids) - 1, np.nan)
         scored = _reply_positions(turns)
         for offset, (entry, wanted) in enumerate(zip(probs, forced, strict=True)):
-            if entry.get("id") != wanted:
+            got = entry.get("id") if isinstance(entry, dict) else entry
+            if got != wanted:
                 raise EngineError(
-                    f"llama-server sampled token {entry.get('id')} where the grammar forced "
-                    f"{wanted} (token {prompt + offset})"
+                    f"llama-server sampled token {got!r} where the grammar forced {wanted} "
+                    f"(token {prompt + offset})"
                 )
             position = prompt + offset  # the token scored; nll[i] scores token i + 1
             if position in scored:
-                nll[position - 1] = -float(entry["logprob"])
+                logprob = entry.get("logprob")
+                # A probability that underflowed to 0 is written as null (log 0 = -inf).
+                nll[position - 1] = math.inf if logprob is None else -float(logprob)
         self.last_shifts = self._shifts(log_start)
         return nll
 
@@ -605,10 +646,14 @@ class ServerPrefixCache:
         self._erase()
         self.first_answer: dict[str, Any] | None = None
         self.log_start = len(engine.server.log_text()) if engine.server else 0
+        """Where this cache's part of the server log starts (its checkpoints, restores)."""
 
     def _erase(self) -> None:
-        """Start from an empty slot: the previous check's prompt must not be reused."""
-        self.http.post(f"/slots/{SLOT}?action=erase", {})
+        """Start from an empty slot: the previous check's prompt must not be reused. Not on an
+        existing server: it may serve others, and erasing needs --slot-save-path there; its
+        slot then holds whatever it last served, which the first prompt replaces."""
+        if self.engine.url is None:
+            self.http.post(f"/slots/{SLOT}?action=erase", {})
 
     def _complete(self, token_ids: Sequence[int]) -> dict[str, Any]:
         body = {"prompt": list(token_ids), "n_predict": 1, "cache_prompt": True,
@@ -629,8 +674,11 @@ class ServerPrefixCache:
         """Send the follow-up: (reused, re-prefilled, checkpoint restored) from the server's
         ``timings.cache_n``, ``timings.prompt_n`` and its log."""
         answer = self._complete(token_ids)
-        reused = int(_field(answer, "timings", "cache_n", where="/completion"))
-        reprefilled = int(_field(answer, "timings", "prompt_n", where="/completion"))
+        timings = [_field(answer, "timings", key, where="/completion")
+                   for key in ("cache_n", "prompt_n")]  # fmt: skip
+        if not all(isinstance(t, int) for t in timings):
+            raise EngineError(f"llama-server's timings are not token counts: {timings!r:.120}")
+        reused, reprefilled = timings
         if reused + reprefilled != len(token_ids):
             raise EngineError(
                 f"llama-server counted {reused} reused + {reprefilled} processed tokens for a "
@@ -666,13 +714,15 @@ class ServerPrefixCache:
         pass  # the server stays up for the next check with the same settings
 
 
+@functools.cache
 def binary_version() -> str | None:
     """``llama-server --version`` of the binary kvguard would start; None where there is none."""
     try:
         binary = find_binary()
-        done = subprocess.run([str(binary), "--version"], capture_output=True, timeout=30,
+        done = subprocess.run([str(binary), "--version"], capture_output=True, timeout=10,
                               check=False)  # fmt: skip
     except (KvguardError, OSError, subprocess.TimeoutExpired):
         return None
-    found = re.search(r"version: ([^\n]+)", done.stdout.decode() + done.stderr.decode())
+    output = (done.stdout + done.stderr).decode("utf-8", "replace")
+    found = re.search(r"version: ([^\n]+)", output)
     return found.group(1) if found else "unknown"
