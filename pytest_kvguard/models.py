@@ -130,6 +130,11 @@ def check_gguf_path(path: Path, written_as: str) -> Path:
     return path
 
 
+def is_url(value: str) -> bool:
+    """A model given as a running server's address."""
+    return value.startswith(("http://", "https://"))
+
+
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -138,7 +143,7 @@ def parse_model(value: str, base_dir: Path) -> ModelRef:
     a running server's URL."""
     if value in BUNDLED_MODELS:
         return ModelRef(value)
-    if value.startswith(("http://", "https://")):
+    if is_url(value):
         # Only server engines accept this: the model a running server already serves.
         return ModelRef(value, form="url")
     path = resolve_under(value, base_dir)

@@ -369,7 +369,7 @@ def installed_version(name: str) -> str | None:
     """The engine's package version, read from metadata (no import); for a program kvguard
     starts, the version the binary reports."""
     if engine_info(name).binary:
-        from pytest_kvguard.engines.llama_server import binary_version
+        from pytest_kvguard.engines.llama_server_process import binary_version
 
         return binary_version()
     try:

@@ -1,0 +1,348 @@
+"""llama-server as a process and an HTTP peer: finding and building its command line,
+starting it, waiting until it is healthy, reading its log, and JSON requests under a time limit
+whose failures become one-line errors. The engine adapter (``llama_server``) uses this; only
+the Python standard library is needed here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import http.client
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from pytest_kvguard.engines import EngineOptions
+from pytest_kvguard.errors import EngineError, KvguardError
+from pytest_kvguard.models import builtin_chat_template
+
+BINARY_ENV = "KVGUARD_LLAMA_SERVER"
+"""Path to the llama-server binary (default: next to the running Python, then PATH)."""
+START_TIMEOUT_ENV = "KVGUARD_SERVER_START_TIMEOUT"
+REQUEST_TIMEOUT_ENV = "KVGUARD_SERVER_TIMEOUT"
+DEFAULT_START_TIMEOUT = 120.0
+"""Seconds a started server gets to load its model and answer /health."""
+DEFAULT_REQUEST_TIMEOUT = 600.0
+"""Seconds one request may take (a forced generation of a few thousand tokens is well under)."""
+UBATCH = 512
+"""The in-process llama_cpp adapter's batch and ubatch: the same here, so the sliding layers
+hold the same cells and reuse can be compared token for token."""
+
+
+def seconds_from_env(var: str, default: float) -> float:
+    raw = os.environ.get(var)
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not value > 0 or math.isinf(value):
+        raise KvguardError(
+            f"${var}={raw!r} is not a positive number of seconds", fix=f"unset {var}"
+        )
+    return value
+
+
+def find_binary() -> Path:
+    """The llama-server to start: $KVGUARD_LLAMA_SERVER, the one `.ci/install` puts next to the
+    virtual environment's Python, or one on PATH."""
+    raw = os.environ.get(BINARY_ENV)
+    if raw:
+        path = Path(raw)
+        if not (path.is_file() and os.access(path, os.X_OK)):
+            raise KvguardError(
+                f"${BINARY_ENV}={raw} is not an executable file",
+                fix="point it at a llama-server binary, or unset it",
+            )
+        return path
+    beside = Path(sys.executable).parent / "llama-server"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return beside
+    found = shutil.which("llama-server")
+    if found:
+        return Path(found)
+    raise KvguardError(
+        "engine 'llama_server' needs a llama-server binary, and none was found",
+        fix=f"run `bash .ci/install` (it builds one into .venv/bin), set ${BINARY_ENV}, or give "
+        "the check a running server as model: http://HOST:PORT",
+    )
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """The command-line settings of a server kvguard starts: one server per distinct value."""
+
+    n_ctx: int
+    swa_full: bool = False
+    ctx_checkpoints: int = 0
+    checkpoint_min_step: int = 0
+    context_shift: bool = False
+
+    def args(self) -> list[str]:
+        args = ["--ctx-size", str(self.n_ctx), "--parallel", "1"]
+        args += ["--batch-size", str(UBATCH), "--ubatch-size", str(UBATCH)]
+        args += ["--ctx-checkpoints", str(self.ctx_checkpoints)]
+        args += ["--checkpoint-min-step", str(self.checkpoint_min_step)]
+        args += ["--context-shift" if self.context_shift else "--no-context-shift"]
+        if self.swa_full:
+            args.append("--swa-full")
+        return args
+
+
+class Http:
+    """JSON over HTTP to one server, every request under a timeout; failures become one line."""
+
+    def __init__(self, url: str, timeout: float, alive: Any = None) -> None:
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self.alive = alive
+        """Called on a failed request: raises if the server process has died (its exit and log
+        tail say more than a refused connection)."""
+
+    def get(self, path: str, timeout: float | None = None) -> Any:
+        return self._request("GET", path, None, timeout)
+
+    def post(self, path: str, body: Mapping[str, Any], timeout: float | None = None) -> Any:
+        return self._request("POST", path, body, timeout)
+
+    def _request(
+        self, method: str, path: str, body: Mapping[str, Any] | None, timeout: float | None
+    ) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(
+            self.url + path, data=data, method=method,
+            headers={"Content-Type": "application/json"} if data is not None else {},
+        )  # fmt: skip
+        where = f"llama-server at {self.url}: {method} {path}"
+        try:
+            with urllib.request.urlopen(request, timeout=timeout or self.timeout) as response:
+                raw = response.read()
+        except urllib.error.HTTPError as exc:
+            text = exc.read().decode("utf-8", "replace")
+            raise EngineError(f"{where} answered HTTP {exc.code}: {_error_text(text)}") from None
+        except (http.client.HTTPException, ValueError) as exc:
+            # Bytes that are not HTTP (BadStatusLine, IncompleteRead), or a URL urllib refuses.
+            if self.alive is not None:
+                self.alive()
+            raise EngineError(
+                f"{where} answered something that is not HTTP: {type(exc).__name__} {exc}"[:300],
+                fix="check that the URL is a llama-server",
+            ) from None
+        except (urllib.error.URLError, OSError) as exc:
+            if self.alive is not None:
+                self.alive()
+            reason = getattr(exc, "reason", exc)
+            if isinstance(reason, TimeoutError) or isinstance(exc, TimeoutError):
+                raise EngineError(
+                    f"{where} gave no answer within {timeout or self.timeout:.0f} s",
+                    fix=f"raise ${REQUEST_TIMEOUT_ENV}, or check the server",
+                ) from None
+            raise EngineError(
+                f"{where} failed: {reason}", fix="check that the server runs"
+            ) from None
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            excerpt = raw[:120].decode("utf-8", "replace")
+            raise EngineError(
+                f"{where} answered something that is not JSON: {excerpt!r}",
+                fix="check that the URL is a llama-server",
+            ) from None
+
+
+def _error_text(text: str) -> str:
+    """The server's own error message out of its JSON error body, else the body's start."""
+    with contextlib.suppress(json.JSONDecodeError, AttributeError, TypeError, KeyError):
+        error = json.loads(text)["error"]
+        return str(error.get("message", error))
+    return text[:200]
+
+
+def field(answer: Any, *keys: str, where: str) -> Any:
+    """``answer[k1][k2]...``, or an error naming what the server left out."""
+    value = answer
+    for key in keys:
+        if not isinstance(value, Mapping) or key not in value:
+            raise EngineError(
+                f"llama-server's {where} answer has no '{'.'.join(keys)}': {str(answer)[:160]}",
+                fix="use a llama-server from llama.cpp b6000 or later",
+            )
+        value = value[key]
+    return value
+
+
+class ServerProcess:
+    """A llama-server kvguard started: health-checked, its log kept, stopped on close."""
+
+    def __init__(
+        self, binary: Path, model_path: Path, settings: ServerSettings, options: EngineOptions
+    ) -> None:
+        self.settings = settings
+        # Everything that can refuse is read before the process exists, so nothing leaks.
+        timeout = seconds_from_env(REQUEST_TIMEOUT_ENV, DEFAULT_REQUEST_TIMEOUT)
+        start_timeout = seconds_from_env(START_TIMEOUT_ENV, DEFAULT_START_TIMEOUT)
+        try:
+            builtin = builtin_chat_template(model_path)
+        except Exception as exc:  # gguf raises ValueError/struct.error on a corrupt header
+            raise KvguardError(
+                f"{model_path} is not a readable GGUF file: {exc}", fix="check the file"
+            ) from None
+        # Kept open while the server runs: its log is read for sizes and quoted in errors.
+        self.log: IO[bytes] = tempfile.NamedTemporaryFile(  # noqa: SIM115
+            prefix="kvguard-llama-server-", suffix=".log"
+        )
+        # Slots can be erased (and saved) only with a save path.
+        self.slot_dir = tempfile.TemporaryDirectory(prefix="kvguard-llama-server-slots-")
+        port = _free_port()
+        # --cache-ram 0: no host-memory prompt cache, so a slot reuses only what it holds.
+        # --log-verbosity 4: llama.cpp's buffer sizes and the checkpoints reach the log.
+        command = [str(binary), "--model", str(model_path), "--host", "127.0.0.1",
+                   "--port", str(port), "--threads", str(options.n_threads),
+                   "--n-gpu-layers", str(options.n_gpu_layers), "--cache-ram", "0",
+                   "--metrics", "--slots", "--no-webui", "--no-warmup",
+                   "--no-prefill-assistant", "--slot-save-path", self.slot_dir.name,
+                   "--log-verbosity", "4",
+                   *settings.args()]  # fmt: skip
+        if builtin:
+            # As the in-process engine renders chats for a GGUF without a template: llama.cpp's
+            # built-in one, which only its non-Jinja path knows (the server's own fallback
+            # would be chatml).
+            command += ["--no-jinja", "--chat-template", builtin]
+        self.command = command
+        try:
+            self.process = subprocess.Popen(
+                command, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT,
+                preexec_fn=_die_with_parent if _PRCTL is not None else None,
+            )  # fmt: skip
+        except OSError as exc:
+            self.log.close()
+            self.slot_dir.cleanup()
+            raise KvguardError(
+                f"llama-server {binary} could not be started: {exc.strerror or exc}",
+                fix=f"build it with `bash .ci/install`, or point ${BINARY_ENV} at a working one",
+            ) from None
+        self.http = Http(
+            f"http://127.0.0.1:{port}", timeout, alive=lambda: self.check_alive(grace=2.0)
+        )
+        try:
+            self._wait_healthy(start_timeout)
+            self._check_it_is_ours(model_path)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        last = "no answer"
+        while time.monotonic() < deadline:
+            self.check_alive()
+            try:
+                with urllib.request.urlopen(self.http.url + "/health", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except urllib.error.HTTPError as exc:
+                last = f"HTTP {exc.code}"  # 503 while the model loads
+            except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
+                last = str(getattr(exc, "reason", exc))
+            time.sleep(0.1)
+        raise EngineError(
+            f"llama-server did not become healthy within {timeout:.0f} s (last: {last}); "
+            f"its log ends: {self.log_tail()}",
+            fix=f"raise ${START_TIMEOUT_ENV}, or run the command by hand: {' '.join(self.command)}",
+        )
+
+    def _check_it_is_ours(self, model_path: Path) -> None:
+        """The port was free when chosen, yet another server could have taken it since: make
+        sure the one answering is this process, serving this model."""
+        self.check_alive(grace=0.3)
+        props = self.http.get("/props", timeout=30)
+        served = props.get("model_path") if isinstance(props, dict) else None
+        if served != str(model_path):
+            raise EngineError(
+                f"another server answered on {self.http.url} (serving {served!r}), not the "
+                "llama-server kvguard started",
+                fix="run the check again (the port is chosen anew each time)",
+            )
+
+    def check_alive(self, grace: float = 0.0) -> None:
+        """Raise, quoting the log, if the server has exited (waiting up to ``grace`` seconds
+        for an exit a dropped connection suggests)."""
+        code = self.process.poll()
+        if code is None and grace:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                code = self.process.wait(timeout=grace)
+        if code is not None:
+            how = f"signal {-code}" if code < 0 else f"code {code}"
+            raise EngineError(
+                f"llama-server (pid {self.process.pid}) exited with {how}; its log ends: "
+                f"{self.log_tail()}",
+                fix="see the log above; the server's command was: " + " ".join(self.command),
+            )
+
+    def log_text(self) -> str:
+        with open(self.log.name, "rb") as log:
+            return log.read().decode("utf-8", "replace")
+
+    def log_tail(self, lines: int = 3) -> str:
+        tail = [line.strip() for line in self.log_text().strip().splitlines()[-lines:]]
+        return " | ".join(tail) or "(empty)"
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+        self.slot_dir.cleanup()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+_PRCTL = ctypes.CDLL(None).prctl if sys.platform == "linux" else None
+"""Looked up before any fork: the child of a threaded process should not load libraries."""
+
+
+def _die_with_parent() -> None:
+    """Linux: the server gets SIGTERM when the process that started it dies (a crashed engine
+    worker leaves no server behind)."""
+    pr_set_pdeathsig = 1
+    assert _PRCTL is not None
+    _PRCTL(pr_set_pdeathsig, signal.SIGTERM)
+
+
+@functools.cache
+def binary_version() -> str | None:
+    """``llama-server --version`` of the binary kvguard would start; None where there is none."""
+    try:
+        binary = find_binary()
+        done = subprocess.run([str(binary), "--version"], capture_output=True, timeout=10,
+                              check=False)  # fmt: skip
+    except (KvguardError, OSError, subprocess.TimeoutExpired):
+        return None
+    output = (done.stdout + done.stderr).decode("utf-8", "replace")
+    found = re.search(r"version: ([^\n]+)", output)
+    return found.group(1) if found else "unknown"
