@@ -225,6 +225,30 @@ CASES = {
         "    budgets: {max_memory_bytes: 10 MiB}\n",
         "budgets.yaml:10: memory is read from the log of a server kvguard starts*",
     ),
+    "server_sweep_chunk": (
+        "    scenario: sweep\n    engine: llama_server\n"
+        "    params: {cap: 255, chunk: 64}\n    budgets: {min_sink_gain_pct: 40}\n",
+        "budgets.yaml:7: engine llama_server decodes its generated tokens itself, one at a "
+        "time: chunk does not apply (fix: remove params.chunk)",
+    ),
+    "server_sweep_prompt_over_the_cap": (
+        "    scenario: sweep\n    engine: llama_server\n"
+        "    params: {cap: 255, prompt: 300}\n    budgets: {min_sink_gain_pct: 40}\n",
+        "budgets.yaml:7: the prompt (300 tokens) fills the cap 255*",
+    ),
+    "server_sweep_baseline": (
+        "    scenario: sweep\n    engine: llama_server\n    baseline: swa_full\n"
+        "    params: {cap: 255}\n    budgets: {min_sink_gain_pct: 40}\n",
+        "budgets.yaml:7: a server's sweep is scored against its own full-context generation, "
+        "not 'swa_full' (fix: remove baseline*",
+    ),
+    "sweep_prompt_in_process": (
+        "    scenario: sweep\n    params: {cap: 256, prompt: 32}\n"
+        "    budgets: {min_sink_gain_pct: 40}\n",
+        "budgets.yaml:6: engine fake is fed and scored token by token by kvguard's own "
+        "loop: a sweep on it has no prompt (fix: remove params.prompt: it applies to served "
+        "engines such as llama_server)",
+    ),
     "server_stream": (
         "    engine: llama_server\n    policy: sink\n    params: {cap: 255, tokens: 1500}\n"
         "    budgets: {max_ppl_increase_pct: 25}\n",

@@ -163,6 +163,23 @@ def test_llama_server_context_shift_scores_as_the_in_process_sink_policy() -> No
     assert post == pytest.approx(in_process.metrics["post_eviction_ppl"], rel=1e-3)
 
 
+def test_llama_server_sink_sweep_keeps_each_sink_count() -> None:
+    """Each sink count of the served sweep is one request whose every shift the server logged
+    with n_keep = that count (SmolLM2 adds no BOS); the runs the generate checks made at 0 and
+    4 sinks are the sweep's own (the same figures, shared)."""
+    sweep, sink4, window = outcomes_of("smollm2-server-sweep", "smollm2-server-generate-sink4",
+                                       "smollm2-server-generate-window")  # fmt: skip
+    rows = {row["sinks"]: row for row in sweep.detail.samples}
+    assert sorted(rows) == [0, 1, 2, 4, 8]
+    for sinks, row in rows.items():
+        assert row["sinks_kept"] == sinks
+        assert row["kv_entries"] == row["first_eviction"] == 255  # cap: --ctx-size 256
+        assert row["context_shifts"] == sink4.metrics["context_shifts"] > 0
+    assert rows[4]["post_eviction_ppl"] == sink4.metrics["post_eviction_ppl"]
+    assert rows[0]["post_eviction_ppl"] == window.metrics["post_eviction_ppl"]
+    assert all(rows[s]["post_eviction_ppl"] < rows[0]["post_eviction_ppl"] for s in (1, 2, 4, 8))
+
+
 def test_the_real_report_matches_its_schema() -> None:
     """The JSON report of the bundled checks above, as --kvguard-json writes it, is schema-valid."""
     import jsonschema

@@ -26,6 +26,7 @@ from pytest_kvguard.budgets import Budgets
 from pytest_kvguard.engines import engine_info
 from pytest_kvguard.engines.conversation import plan_turns
 from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.models import ModelRef
 from pytest_kvguard.policies import Policy
 from pytest_kvguard.scenarios.base import (
     CAP,
@@ -46,7 +47,7 @@ from pytest_kvguard.scenarios.base import (
     require_text_room,
 )
 from pytest_kvguard.scenarios.stream import check_reaches_eviction
-from pytest_kvguard.texts import load_text
+from pytest_kvguard.texts import Text, load_text
 
 PROMPT = Param(
     "prompt",
@@ -100,6 +101,48 @@ def streams_through(engine: str) -> bool:
 def post_cap_ppl(nll: np.ndarray, scored: np.ndarray) -> float:
     """Perplexity over the positions in ``scored``."""
     return float(math.exp(float(nll[scored].mean()))) if scored.any() else math.nan
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One conversation through the engine's own generation entry point."""
+
+    nll: np.ndarray
+    """nll[i] scores token i + 1; NaN where nothing was scored (prompts)."""
+    seconds: float
+    shifts: tuple[tuple[int, int, int], ...] = ()
+    """(n_keep, n_left, n_discard) of each context shift, where the engine logs them (a server
+    kvguard started)."""
+
+
+def generation(
+    ctx: Context,
+    engine_name: str,
+    model: ModelRef,
+    policy: Policy,
+    text: Text,
+    tokens: int,
+    prompt: int,
+    reply: int,
+    prefill_step: int,
+) -> tuple[Generation, bool]:
+    """The conversation over the text's first ``tokens`` ids under ``policy``, run once per
+    session (generate and sweep checks on a server share it); True if it ran now."""
+    ids = ctx.token_ids(engine_name, model, text, tokens)
+    turns = plan_turns(tokens, prompt, reply)
+    engine = ctx.engine(engine_name, model)
+
+    def converse() -> Generation:
+        started = time.perf_counter()
+        nll = engine.converse(policy, ids, turns, prefill_step)
+        seconds = time.perf_counter() - started
+        ctx.say(f"{engine_name} {model.name} {policy.describe()}: {len(turns)} turns generated "
+                f"in {seconds:.1f} s")  # fmt: skip
+        return Generation(nll, seconds, tuple(getattr(engine, "last_shifts", ())))
+
+    key = ("generate", engine_name, model.resolve(), text.sha256, tokens, policy, prompt, reply,
+           prefill_step)  # fmt: skip
+    return ctx.memo(key, converse)
 
 
 class GenerateScenario(Scenario[GenerateSpec]):
@@ -159,21 +202,13 @@ class GenerateScenario(Scenario[GenerateSpec]):
     def run(self, ctx: Context, check: Check[GenerateSpec]) -> Measured:
         spec = check.spec
         text = load_text(spec.text, check.base_dir)
-        ids = ctx.token_ids(check.engine, check.model, text, spec.tokens)
-        turns = plan_turns(spec.tokens, spec.prompt, spec.reply)
-        engine = ctx.engine(check.engine, check.model)
-        label = f"{check.engine} {check.model.name} {spec.policy.describe()}"
 
-        def converse() -> tuple[np.ndarray, float]:
-            started = time.perf_counter()
-            nll = engine.converse(spec.policy, ids, turns, spec.prefill_step)
-            seconds = time.perf_counter() - started
-            ctx.say(f"{label}: {len(turns)} turns generated in {seconds:.1f} s")
-            return nll, seconds
+        def generated(policy: Policy) -> tuple[Generation, bool]:
+            return generation(ctx, check.engine, check.model, policy, text, spec.tokens,
+                              spec.prompt, spec.reply, spec.prefill_step)  # fmt: skip
 
-        key = ("generate", check.engine, check.model.resolve(), text.sha256, spec.tokens,
-               spec.policy, spec.prompt, spec.reply, spec.prefill_step)  # fmt: skip
-        (nll, gen_seconds), gen_new = ctx.memo(key, converse)
+        gen, gen_new = generated(spec.policy)
+        nll, gen_seconds = gen.nll, gen.seconds
         full = Policy("full")
         if not spec.served:
             base_run, base_new = ctx.stream_run(check.engine, check.model, full, text,
@@ -186,13 +221,8 @@ class GenerateScenario(Scenario[GenerateSpec]):
         else:
             # A server has no decode loop of kvguard's: its baseline is its own generation of
             # the same turns under a context that never fills; no chunk gap is measured.
-            def full_converse() -> tuple[np.ndarray, float]:
-                started = time.perf_counter()
-                full_nll = engine.converse(full, ids, turns, spec.prefill_step)
-                return full_nll, time.perf_counter() - started
-
-            base_key = key[:5] + (full,) + key[6:]
-            (base_nll, base_seconds), base_new = ctx.memo(base_key, full_converse)
+            base, base_new = generated(full)
+            base_nll, base_seconds = base.nll, base.seconds
             single_nll, single_seconds, single_new = None, 0.0, False
         # Reply tokens fed past the cap: nll[i] scores token i+1, fed after token i.
         cap = spec.policy.cap
@@ -219,6 +249,7 @@ class GenerateScenario(Scenario[GenerateSpec]):
                     }
                 ),
                 "scored_tokens": float(scored.sum()),
+                **({"context_shifts": float(len(gen.shifts))} if gen.shifts else {}),
             },
             seconds={
                 "generate": gen_seconds if gen_new else 0.0,
@@ -226,7 +257,10 @@ class GenerateScenario(Scenario[GenerateSpec]):
                 "single_token": single_seconds if single_new else 0.0,
             },
             tokens_per_second=spec.tokens / gen_seconds if gen_seconds else math.inf,
-            detail=GenerateDetail(turns=len(turns), prefill_step=spec.prefill_step),
+            detail=GenerateDetail(
+                turns=len(plan_turns(spec.tokens, spec.prompt, spec.reply)),
+                prefill_step=spec.prefill_step,
+            ),
         )
 
     def table(self, outcomes: Sequence[Any]) -> tuple[list[str], list[list[list[str]]]]:

@@ -3,6 +3,11 @@
 Post-eviction perplexity against the number of sinks shows how much the first tokens matter
 (sink size sweep); the same eviction with re-indexed and with absolute positions side by side
 pins a failure on eviction or on position handling (position isolation).
+
+On a served engine (llama_server), which kvguard's own loop cannot feed, each sink count is the
+server's own generation past capacity (see the ``generate`` scenario): a short prompt, then the
+rest of the tokens generated with the text's own tokens forced, the server shifting its context
+with ``n_keep`` = the sinks. Those runs are shared with generate checks of the same settings.
 """
 
 from __future__ import annotations
@@ -10,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from pytest_kvguard.engines import check_policy
 from pytest_kvguard.errors import KvguardError
@@ -32,10 +39,20 @@ from pytest_kvguard.scenarios.base import (
     ascending_counts,
     require_text_room,
 )
+from pytest_kvguard.scenarios.generate import (
+    PREFILL_STEP,
+    Generation,
+    generation,
+    post_cap_ppl,
+    streams_through,
+)
 from pytest_kvguard.scenarios.stream import StreamResult, check_reaches_eviction, compare
-from pytest_kvguard.texts import load_text
+from pytest_kvguard.texts import Text, load_text
 
 DEFAULT_SINKS = (0, 1, 2, 4, 8)
+SERVED_PROMPT = 32
+"""A served sweep's default prompt: llama.cpp prefills a batch of 64 tokens or more by another
+path than its decode path (README, "prefill batch shape"); 32 keeps the prompt on the same one."""
 
 
 def sweep_policy(sinks: int, cap: int, positions: str, evict_step: int, chunk: int = 1) -> Policy:
@@ -58,10 +75,46 @@ def check_sinks(values: object, cap: int | None) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
+class ServedResult:
+    """One sink count through a server's own generation, against its full-context generation:
+    the figures a stream result gives, from the server's context shifts."""
+
+    candidate: Generation
+    baseline: Generation
+    cap: int
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        if not self.candidate.shifts:
+            raise KvguardError(
+                f"the server never shifted its context (cap {self.cap}): no token was scored "
+                "after an eviction",
+                fix="raise tokens well past the cap",
+            )
+        n_keep, n_left, _ = self.candidate.shifts[0]
+        positions = np.arange(len(self.candidate.nll))
+        # As in generate: generated tokens fed past the cap (nll[i] scores token i + 1).
+        scored = ~np.isnan(self.candidate.nll) & (positions >= self.cap)
+        post = post_cap_ppl(self.candidate.nll, scored)
+        base = post_cap_ppl(self.baseline.nll, scored)
+        return {
+            "post_eviction_ppl": post,
+            "ppl_increase_pct": (post / base - 1.0) * 100.0,
+            "baseline_post_eviction_ppl": base,
+            # The server shifts when its context holds n_keep + n_left tokens and one more
+            # would not fit: that many are held, and the first shift comes after as many.
+            "kv_entries": float(n_keep + n_left),
+            "first_eviction": float(n_keep + n_left),
+            "context_shifts": float(len(self.candidate.shifts)),
+            "sinks_kept": float(n_keep),
+        }
+
+
+@dataclass(frozen=True)
 class SweepRow:
     positions: str
     sinks: int
-    result: StreamResult
+    result: StreamResult | ServedResult
 
     def to_json(self) -> dict[str, float | str]:
         m = self.result.metrics
@@ -73,6 +126,7 @@ class SweepRow:
             "baseline_post_eviction_ppl": m["baseline_post_eviction_ppl"],
             "kv_entries": m["kv_entries"],
             "first_eviction": m["first_eviction"],
+            **{key: m[key] for key in ("context_shifts", "sinks_kept") if key in m},
         }
 
 
@@ -123,6 +177,8 @@ class SweepSpec:
     tokens: int
     text: str
     chunk: int = 1
+    served_prompt: int | None = None
+    """On a served engine: the prompt before the one generated reply; None: kvguard's loop."""
 
     def policies(self) -> list[tuple[str, int, Policy]]:
         return [(mode, count, sweep_policy(count, self.cap, mode, self.evict_step, self.chunk))
@@ -152,11 +208,20 @@ SWEEP_POSITIONS = Param(
     "position handlings run side by side, e.g. [reindexed, absolute]; default: the engine's own",
 )
 
+SWEEP_PROMPT = Param(
+    "prompt",
+    "int",
+    None,
+    "served engines (llama_server) only: tokens sent as the prompt before the one reply the "
+    f"server generates past the cap; default {SERVED_PROMPT}",
+    minimum=1,
+)
+
 
 class SweepScenario(Scenario[SweepSpec]):
     name = "sweep"
     summary = "one cap, 0/1/2/4/8 sinks, re-indexed and absolute positions side by side"
-    params = (TOKENS, CAP, SWEEP_SINKS, SWEEP_POSITIONS, EVICT_STEP, CHUNK, TEXT)
+    params = (TOKENS, CAP, SWEEP_SINKS, SWEEP_POSITIONS, EVICT_STEP, CHUNK, SWEEP_PROMPT, TEXT)
     budgets = ("max_ppl_increase_pct", "max_post_eviction_ppl", "min_sink_gain_pct",
                "max_position_gap_pct")  # fmt: skip
     detail_type = SweepDetail
@@ -182,21 +247,70 @@ class SweepScenario(Scenario[SweepSpec]):
                 fix=f"write positions: {list(dict.fromkeys(modes))}",
                 key="params.positions",
             )
-        spec = SweepSpec(counts, modes, cap, p["evict_step"],
-                         fields.policy_of("baseline", fields.baseline or "full", with_params=False),
-                         p["tokens"], fields.text_name(), p["chunk"])  # fmt: skip
+        served = not streams_through(fields.engine)
+        if served and fields.baseline not in (None, "full"):
+            raise KvguardError(
+                f"a server's sweep is scored against its own full-context generation, not "
+                f"'{fields.baseline}'",
+                fix="remove baseline (full is the default)",
+                key="baseline",
+            )
+        baseline = (
+            Policy("full")  # the server's own generation under a context that never fills
+            if served
+            else fields.policy_of("baseline", fields.baseline or "full", with_params=False)
+        )
+        prompt = self._served_prompt(fields, cap) if served else None
+        spec = SweepSpec(counts, modes, cap, p["evict_step"], baseline, p["tokens"],
+                         fields.text_name(), p["chunk"], prompt)  # fmt: skip
+        if not served and p["prompt"] is not None:
+            raise KvguardError(
+                f"engine {fields.engine} is fed and scored token by token by kvguard's own loop: "
+                "a sweep on it has no prompt",
+                fix="remove params.prompt: it applies to served engines such as llama_server",
+                key="params.prompt",
+            )
         try:
             for _, _, policy in spec.policies():
                 for engine in fields.engines:
-                    check_policy(engine, policy, "stream")
+                    check_policy(engine, policy, "generate" if served else "stream")
             check_reaches_eviction(spec.policies()[-1][2], spec.tokens)
         except KvguardError as exc:
             raise exc.keyed("params.positions") from None
         require_text_room(fields, spec.tokens, "params.tokens")
         return spec
 
+    @staticmethod
+    def _served_prompt(fields: Fields, cap: int) -> int:
+        """The prompt a server's sweep sends before its one generated reply."""
+        if fields.params["chunk"] != 1:
+            raise KvguardError(
+                f"engine {fields.engine} decodes its generated tokens itself, one at a time: "
+                "chunk does not apply",
+                fix="remove params.chunk",
+                key="params.chunk",
+            )
+        prompt: int = fields.params["prompt"] or min(SERVED_PROMPT, cap // 2)
+        if prompt >= cap:
+            raise KvguardError(
+                f"the prompt ({prompt} tokens) fills the cap {cap}: the server would shift "
+                "before generating, and that shift would go unscored",
+                fix=f"lower params.prompt below the cap (e.g. {min(SERVED_PROMPT, cap // 2)})",
+                key="params.prompt",
+            )
+        if prompt >= fields.params["tokens"]:
+            raise KvguardError(
+                f"the prompt ({prompt} tokens) leaves nothing of tokens "
+                f"{fields.params['tokens']} to generate",
+                fix="raise tokens or lower params.prompt",
+                key="params.prompt",
+            )
+        return prompt
+
     def planned_runs(self, check: Check[SweepSpec]) -> list[Planned]:
         spec = check.spec
+        if spec.served_prompt is not None:
+            return []  # a server generates; kvguard's loop decodes nothing for it
         text = load_text(spec.text, check.base_dir)
         policies = [spec.baseline, *(policy for _, _, policy in spec.policies())]
         return [
@@ -207,6 +321,8 @@ class SweepScenario(Scenario[SweepSpec]):
         """Every sink count under every position handling, same cap, same token ids."""
         spec = check.spec
         text = load_text(spec.text, check.base_dir)
+        if spec.served_prompt is not None:
+            return self._run_served(ctx, check, spec.served_prompt)
         base_run, base_new = ctx.stream_run(check.engine, check.model, spec.baseline, text,
                                             spec.tokens)  # fmt: skip
         rows, seconds = [], {"baseline": base_run.seconds if base_new else 0.0}
@@ -214,6 +330,33 @@ class SweepScenario(Scenario[SweepSpec]):
             run, new = ctx.stream_run(check.engine, check.model, policy, text, spec.tokens)
             rows.append(SweepRow(mode, count, compare(run, base_run)))
             seconds[policy.describe()] = run.seconds if new else 0.0
+        return self._measured(spec, text, rows, seconds, base_run.tokens_per_second)
+
+    def _run_served(self, ctx: Context, check: Check[SweepSpec], prompt: int) -> Measured:
+        """Every sink count as the server's own generation past the cap, one request each."""
+        spec = check.spec
+        text = load_text(spec.text, check.base_dir)
+
+        def generated(policy: Policy) -> tuple[Generation, bool]:
+            return generation(ctx, check.engine, check.model, policy, text, spec.tokens, prompt,
+                              spec.tokens - prompt, PREFILL_STEP.default)  # fmt: skip
+
+        base, base_new = generated(spec.baseline)
+        rows, seconds = [], {"baseline": base.seconds if base_new else 0.0}
+        for mode, count, policy in spec.policies():
+            run, new = generated(policy)
+            rows.append(SweepRow(mode, count, ServedResult(run, base, spec.cap)))
+            seconds[policy.describe()] = run.seconds if new else 0.0
+        return self._measured(spec, text, rows, seconds, spec.tokens / base.seconds)
+
+    def _measured(
+        self,
+        spec: SweepSpec,
+        text: Text,
+        rows: list[SweepRow],
+        seconds: dict[str, float],
+        tokens_per_second: float,
+    ) -> Measured:
         result = SweepResult(rows)
         metrics = result.metrics
         return Measured(
@@ -223,7 +366,7 @@ class SweepScenario(Scenario[SweepSpec]):
             text=text,
             metrics=metrics,
             seconds=seconds,
-            tokens_per_second=base_run.tokens_per_second,
+            tokens_per_second=tokens_per_second,
             detail=SweepDetail(
                 baseline=spec.baseline.describe(),
                 baseline_ppl=metrics["baseline_post_eviction_ppl"],
