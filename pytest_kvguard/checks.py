@@ -134,7 +134,11 @@ def _build(
                 raise KvguardError(
                     f"engine '{engine}' cannot load a model {model.form} ('{model.name}')",
                     fix="give a bundled model or a .gguf file"
-                    + (" (a URL is for engine llama_server)" if model.form == "url" else ""),
+                    + (
+                        " (a URL is for engines llama_server and openai)"
+                        if model.form == "url"
+                        else ""
+                    ),
                 )
         if model.form == "url" and kind != "edit_replay":
             # generate restarts the server with another context for its baseline, and the

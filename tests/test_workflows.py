@@ -72,3 +72,21 @@ def test_action_uploads_the_report_and_caches_per_build_flags() -> None:
     assert "inputs.cmake-args" in cache["with"]["key"]
     gate = next(s for s in steps if s.get("name") == "Run the gate")
     assert "--kvguard-json" in gate["run"] and "--junitxml" in gate["run"]
+
+
+def test_the_served_workflow_starts_vllm_and_gates_it_through_engine_openai() -> None:
+    """The GPU job starts vLLM with the flags its cached-token report needs, then runs a
+    budgets file whose every check talks to that server (untested here: no GPU was lent)."""
+    from pytest_kvguard.budgets_file import load_budgets_file
+
+    job = _load(ROOT / ".github" / "workflows" / "served.yml")["jobs"]["vllm"]
+    assert job["runs-on"] == ["self-hosted", "linux", "gpu"]
+    commands = "\n".join(step.get("run", "") for step in job["steps"])
+    for flag in ("vllm serve", "--enable-prefix-caching", "--enable-prompt-tokens-details"):
+        assert flag in commands
+    gate = [s for s in job["steps"] if s.get("uses") == "./.github/actions/kvguard"]
+    assert len(gate) == 1
+    served = load_budgets_file(ROOT / gate[0]["with"]["budgets"])
+    assert {check.engine for check in served.checks} == {"openai"}
+    url = f"http://127.0.0.1:{job['env']['VLLM_PORT']}"
+    assert {check.model.name for check in served.checks} == {url}

@@ -236,6 +236,9 @@ class EngineInfo:
     binary: bool = False
     """The engine is a program kvguard starts (or an existing server at a URL), not a Python
     package: it is looked for when a check first loads it."""
+    remote: bool = False
+    """The engine is a server kvguard neither installs nor starts (model: a URL): nothing to
+    look for locally, and its version is the server's, read when a check loads it."""
     self_evicting: tuple[str, ...] = ()
     """Policy kinds whose cache the engine trims inside its own decode call, reporting no room
     to kvguard: they are fed in prefill-sized chunks whatever ``chunk`` says."""
@@ -290,6 +293,19 @@ ENGINES: dict[str, EngineInfo] = {
             model_forms=("gguf", "url"),
             context_step=256,
             binary=True,
+        ),
+        EngineInfo(
+            "openai",
+            "pytest_kvguard.engines.openai_server",
+            "pytest_kvguard",
+            "pytest-kvguard",
+            "nothing to install: start the server (vLLM, SGLang, llama-server) and give "
+            "model: http://HOST:PORT",
+            # The server's own cache, whatever it was started with: the policy labels it.
+            policies={"edit_replay": ("full", "swa", "swa_full")},
+            position_modes=("reindexed",),
+            model_forms=("url",),
+            remote=True,
         ),
     )
 }
@@ -358,7 +374,7 @@ def check_policy(name: str, policy: Policy, scenario: str = "stream") -> None:
 def require_installed(name: str) -> EngineInfo:
     """Fail early, without importing the engine, when it is not installed."""
     info = engine_info(name)
-    if info.binary:
+    if info.binary or info.remote:
         return info  # found (or not) when a check loads it: a URL needs no binary here
     if importlib.util.find_spec(info.import_name) is None:
         raise KvguardError(f"engine '{name}' is not installed", fix=info.install)
@@ -368,6 +384,8 @@ def require_installed(name: str) -> EngineInfo:
 def installed_version(name: str) -> str | None:
     """The engine's package version, read from metadata (no import); for a program kvguard
     starts, the version the binary reports."""
+    if engine_info(name).remote:
+        return None  # a server elsewhere: its version is in the check's engine facts
     if engine_info(name).binary:
         from pytest_kvguard.engines.llama_server_process import binary_version
 

@@ -9,6 +9,7 @@ what its own memory operations allow and re-prefills the rest. Token counts are 
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -281,9 +282,16 @@ class EditReplayScenario(Scenario[ReplaySpec]):
         spec = check.spec
         loaded = ctx.engine(check.engine, check.model)
         conversation = load_conversation(spec.chat, check.base_dir)
-        first_text = loaded.render_chat(history(conversation))
-        second_text = loaded.render_chat(followup(conversation, spec.followup, spec.message))
-        first_ids, second_ids = loaded.tokenize(first_text), loaded.tokenize(second_text)
+        chats = (history(conversation), followup(conversation, spec.followup, spec.message))
+        # A server that renders and tokenizes a chat in one call (vLLM) says so with
+        # tokenize_chat; the others render the template, then tokenize the text.
+        tokenize_chat = getattr(loaded, "tokenize_chat", None)
+        if tokenize_chat is not None:
+            first_ids, second_ids = (tokenize_chat(chat) for chat in chats)
+            first_text = json.dumps(chats[0])  # no rendered text: the messages stand for it
+        else:
+            first_text, second_text = (loaded.render_chat(chat) for chat in chats)
+            first_ids, second_ids = loaded.tokenize(first_text), loaded.tokenize(second_text)
         label = f"{check.engine} {check.model.name} {spec.policy.describe()} {spec.followup}"
         # One prefill per engine, model, policy and chat; each follow-up restores the engine's
         # own snapshot of it into a fresh cache.
@@ -316,7 +324,9 @@ class EditReplayScenario(Scenario[ReplaySpec]):
             m = o.metrics
             lines.append([[
                 o.detail.followup, str(o.tokens), f"{m['split']:.0f}", f"{m['reused_tokens']:.0f}",
-                f"{m['reprefill_tokens']:.0f}", mib(m["memory_bytes"]),
+                f"{m['reprefill_tokens']:.0f}",
+                # A server elsewhere does not say what its cache costs.
+                "-" if math.isnan(m["memory_bytes"]) else mib(m["memory_bytes"]),
                 f"{o.seconds['replay']:.1f}",
             ]])  # fmt: skip
         return headers, lines

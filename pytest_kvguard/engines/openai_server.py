@@ -1,0 +1,208 @@
+"""Engine adapter ``openai``: an OpenAI-compatible server already running at a URL.
+
+vLLM, SGLang and llama-server all serve ``/v1/completions`` and report how many prompt tokens
+their prefix cache served in ``usage.prompt_tokens_details.cached_tokens``. kvguard sends the
+first prompt and then the follow-up as token ids (``prompt: [ids]``, ``max_tokens: 1``) and
+reads reused = ``cached_tokens``, re-prefilled = ``prompt_tokens - cached_tokens``.
+
+The token ids come from the server itself, so they are the ids it caches. Which endpoint gives
+them depends on the server, named by ``/v1/models`` (``owned_by``):
+
+- ``llamacpp``: ``/apply-template`` renders the chat, ``/tokenize`` tokenizes it, as the
+  ``llama_server`` engine does (special-token text not parsed, so both engines send the same
+  ids).
+- ``vllm``: ``/tokenize`` with ``messages`` renders and tokenizes in one call.
+- ``sglang``: its ``/tokenize`` takes text only, and nothing renders a chat without generating,
+  so edit_replay is refused with that reason.
+
+Only the llama.cpp dialect runs on this project's machines (tests start a real llama-server);
+the vLLM and SGLang paths are written to their documented APIs and untested here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pytest_kvguard.engines import EngineOptions
+from pytest_kvguard.engines.llama_server_process import (
+    DEFAULT_REQUEST_TIMEOUT,
+    REQUEST_TIMEOUT_ENV,
+    Http,
+    seconds_from_env,
+)
+from pytest_kvguard.errors import EngineError, KvguardError
+from pytest_kvguard.policies import Policy
+
+CACHE_REPORT_FLAGS = {
+    "vllm": "start vLLM with --enable-prompt-tokens-details (and prefix caching on, its default)",
+    "sglang": "start SGLang with --enable-cache-report",
+}
+"""What makes each server report cached_tokens where it does not by default."""
+
+
+def load(target: object, options: EngineOptions) -> OpenAIServerEngine:
+    return OpenAIServerEngine(str(target), options)
+
+
+def answer_field(answer: Any, *keys: str, where: str) -> Any:
+    """``answer[k1][k2]...``, or an error naming what the server left out."""
+    value = answer
+    for key in keys:
+        if not isinstance(value, Mapping) or key not in value:
+            raise EngineError(f"the server's {where} answer has no '{'.'.join(keys)}': "
+                              f"{str(answer)[:160]}")  # fmt: skip
+        value = value[key]
+    return value
+
+
+def token_list(value: Any, where: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(t, int) for t in value):
+        raise EngineError(f"the server's {where} gave no list of token ids: {str(value)[:120]}")
+    return value
+
+
+class OpenAIServerEngine:
+    """A running OpenAI-compatible server: edit_replay counts from its usage report."""
+
+    name = "openai"
+    kv_element_bytes = math.nan
+    """Unknown: the server's cache type is not in its API."""
+
+    def __init__(self, url: str, options: EngineOptions) -> None:
+        if not url.startswith(("http://", "https://")):
+            raise KvguardError(
+                f"engine openai talks to a running server, and '{url}' is not a URL",
+                fix="give model: http://HOST:PORT",
+                key="model",
+            )
+        self.url = url.rstrip("/")
+        self.http = Http(self.url, seconds_from_env(REQUEST_TIMEOUT_ENV, DEFAULT_REQUEST_TIMEOUT))
+        self._served: tuple[str, str] | None = None
+
+    def served(self) -> tuple[str, str]:
+        """(model id, server kind) from ``/v1/models``: the first model and its owned_by."""
+        if self._served is None:
+            models = answer_field(self.http.get("/v1/models"), "data", where="/v1/models")
+            if not isinstance(models, list) or not models or not isinstance(models[0], Mapping):
+                raise EngineError(f"the server at {self.url} lists no model in /v1/models")
+            model = models[0]
+            self._served = (str(model.get("id", "")), str(model.get("owned_by", "")))
+        return self._served
+
+    @property
+    def dialect(self) -> str:
+        return self.served()[1]
+
+    def version(self) -> str:
+        if self.dialect == "llamacpp":
+            return str(self.http.get("/props").get("build_info", "unknown"))
+        if self.dialect == "vllm":
+            answer = self.http.get("/version")
+            return str(answer.get("version", "unknown")) if isinstance(answer, Mapping) else "?"
+        return "unknown"
+
+    def describe(self) -> dict[str, str]:
+        model, kind = self.served()
+        return {"engine": f"{kind or 'openai'} {self.version()}", "url": self.url, "model": model}
+
+    # -- text ------------------------------------------------------------------------------
+
+    def tokenize(self, text: str) -> list[int]:
+        if self.dialect == "llamacpp":
+            body: dict[str, Any] = {"content": text, "add_special": True, "parse_special": False}
+        else:
+            body = {"model": self.served()[0], "prompt": text, "add_special_tokens": True}
+        return token_list(answer_field(self.http.post("/tokenize", body), "tokens",
+                                       where="/tokenize"), "/tokenize")  # fmt: skip
+
+    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
+        if self.dialect != "llamacpp":
+            raise self._no_rendering()
+        body = {"messages": list(messages), "add_generation_prompt": False}
+        return str(answer_field(self.http.post("/apply-template", body), "prompt",
+                                where="/apply-template"))  # fmt: skip
+
+    def tokenize_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        """The chat's token ids as the server's own template and tokenizer make them, without
+        the generation prompt (a history, as the other engines render it)."""
+        if self.dialect == "llamacpp":
+            return self.tokenize(self.render_chat(messages))
+        if self.dialect != "vllm":
+            raise self._no_rendering()
+        body = {"model": self.served()[0], "messages": list(messages),
+                "add_generation_prompt": False, "add_special_tokens": False}  # fmt: skip
+        return token_list(answer_field(self.http.post("/tokenize", body), "tokens",
+                                       where="/tokenize"), "/tokenize")  # fmt: skip
+
+    def _no_rendering(self) -> EngineError:
+        kind = self.dialect or "this server"
+        return EngineError(
+            f"{kind} at {self.url} has no endpoint that renders a chat into token ids without "
+            "generating (its /tokenize takes text), so the two prompts cannot be sent as ids",
+            fix="gate this model through llama_server or vLLM, whose APIs render a chat",
+        )
+
+    # -- edit_replay -----------------------------------------------------------------------
+
+    def open_prefix_cache(self, policy: Policy, max_tokens: int) -> OpenAIPrefixCache:
+        return OpenAIPrefixCache(self)
+
+    def open_stream(self, policy: Policy, max_tokens: int) -> Any:
+        raise KvguardError(
+            "an OpenAI-compatible server returns no logits for prompt tokens",
+            fix="use scenario edit_replay with engine openai",
+        )
+
+    def close(self) -> None:
+        pass  # the server is not ours
+
+
+class OpenAIPrefixCache:
+    """The server's prefix cache, seen through its usage report (``replay``, as llama_server's)."""
+
+    def __init__(self, engine: OpenAIServerEngine) -> None:
+        self.engine = engine
+        self.first_usage: Mapping[str, Any] | None = None
+
+    def _complete(self, token_ids: Sequence[int]) -> tuple[int, int]:
+        """Send the ids as a prompt, generate one token: (prompt tokens, cached tokens)."""
+        body = {"model": self.engine.served()[0], "prompt": list(token_ids), "max_tokens": 1,
+                "temperature": 0.0}  # fmt: skip
+        usage = answer_field(self.engine.http.post("/v1/completions", body), "usage",
+                             where="/v1/completions")  # fmt: skip
+        prompt = usage.get("prompt_tokens") if isinstance(usage, Mapping) else None
+        details = usage.get("prompt_tokens_details") if isinstance(usage, Mapping) else None
+        cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
+        if not isinstance(cached, int):
+            raise EngineError(
+                f"the server at {self.engine.url} reported no usage.prompt_tokens_details."
+                f"cached_tokens: {str(usage)[:160]}",
+                fix=CACHE_REPORT_FLAGS.get(self.engine.dialect, "enable its cache report"),
+            )
+        if prompt != len(token_ids):
+            raise EngineError(
+                f"the server counted {prompt} prompt tokens for {len(token_ids)} token ids sent",
+            )
+        return prompt, cached
+
+    def extend(self, token_ids: Sequence[int], start: int) -> None:
+        if start != 0:
+            raise EngineError("a server's prefix cache is filled by whole prompts only")
+        self._complete(token_ids)
+
+    def replay(self, token_ids: Sequence[int]) -> tuple[int, int, int | None]:
+        """(reused, re-prefilled, no checkpoint figure) for the follow-up."""
+        prompt, cached = self._complete(token_ids)
+        return cached, prompt - cached, None
+
+    def memory_bytes(self) -> dict[str, float]:
+        # Not in the API: budgets on memory are refused at parse time for a URL.
+        return {"state_bytes": math.nan, "checkpoint_bytes": math.nan, "checkpoints": math.nan}
+
+    def keep_prefix(self, n_tokens: int) -> tuple[int, int | None]:
+        raise EngineError("a server decides its own reuse: use replay()")
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,181 @@
+"""Engine openai: an OpenAI-compatible server at a URL, counted from its usage report.
+
+The real test points it at a real llama-server (started by kvguard's llama_server engine, on
+the bundled SmolLM2-135M): through the plugin, as a user runs it, its counts are the server's
+own usage.prompt_tokens_details.cached_tokens, and they equal what the llama_server engine reads
+from the same server's timings. vLLM and SGLang do not run on these machines: the stand-in
+servers below check only how kvguard reads their answers and what it refuses.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from pytest_kvguard.engines import EngineOptions, load_engine
+from pytest_kvguard.engines.llama_server import LlamaServerEngine
+from pytest_kvguard.engines.llama_server_process import ServerSettings
+from pytest_kvguard.models import ModelRef
+from pytest_kvguard.policies import Policy
+from pytest_kvguard.scenarios.edit_replay import (
+    DEFAULT_CHAT,
+    followup,
+    history,
+    load_conversation,
+    run_edit_replay,
+)
+
+SMOLLM2 = ModelRef("smollm2-135m")
+
+CHECKS = """\
+version: 1
+defaults: {{engine: openai, model: "{url}"}}
+checks:
+  - name: openai-edit-end
+    scenario: edit_replay
+    policy: full
+    params: {{followup: edit, message: -3}}
+    budgets: {{min_reused_tokens: 4100}}
+  - name: openai-append
+    scenario: edit_replay
+    policy: full
+    params: {{followup: append}}
+    budgets: {{min_reused_tokens: 1}}
+"""
+
+
+def run_gate(pytester: pytest.Pytester, url: str) -> tuple[pytest.RunResult, dict[str, Any]]:
+    pytester.makefile(".yaml", budgets=CHECKS.format(url=url))
+    result = pytester.runpytest("--kvguard", "budgets.yaml", "--kvguard-json", "report.json")
+    return result, json.loads((pytester.path / "report.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def llama_server() -> Iterator[LlamaServerEngine]:
+    engine = load_engine("llama_server", SMOLLM2.resolve(), EngineOptions.from_env())
+    assert isinstance(engine, LlamaServerEngine)
+    yield engine
+    engine.close()
+
+
+@pytest.mark.engine
+def test_openai_counts_are_the_servers_usage_and_equal_its_timings(
+    pytester: pytest.Pytester, llama_server: LlamaServerEngine
+) -> None:
+    """The bundled chat's last-message edit and an append through /v1/completions, counted
+    from cached_tokens, as the llama_server engine counts them from timings on that server."""
+    http = llama_server.serve(ServerSettings(n_ctx=4608))
+    result, report = run_gate(pytester, http.url)
+    result.assert_outcomes(passed=2)
+    rows = {row["name"]: row for row in report["checks"]}
+    assert rows["openai-edit-end"]["engine_info"]["engine"].startswith("llamacpp b")
+
+    by_url = load_engine("llama_server", http.url, EngineOptions.from_env())
+    conversation = load_conversation(DEFAULT_CHAT, pytester.path)
+    try:
+        for name, (kind, message) in {"openai-edit-end": ("edit", -3),
+                                      "openai-append": ("append", None)}.items():  # fmt: skip
+            chats = (history(conversation), followup(conversation, kind, message))
+            first, second = (by_url.tokenize(by_url.render_chat(chat)) for chat in chats)
+            run, _ = run_edit_replay(by_url, Policy("full"), first, second)
+            m = rows[name]["metrics"]
+            assert m["prompt_tokens"] == len(second)
+            assert (m["reused_tokens"], m["reprefill_tokens"]) == (
+                run.replay.reused, run.replay.reprefilled)  # fmt: skip
+            assert m["reused_tokens"] == m["split"] == run.replay.split  # full: all of it
+    finally:
+        by_url.close()  # not the engine that started it: the server stays up
+    edit = rows["openai-edit-end"]["metrics"]
+    assert (edit["reused_tokens"], edit["reprefill_tokens"]) == (4100, 213)  # as in process
+
+
+class StandIn(http.server.BaseHTTPRequestHandler):
+    """A server that answers as vLLM or SGLang document their APIs (no model behind it)."""
+
+    owned_by = "vllm"
+    cached: int | None = 48
+    requests: list[tuple[str, dict[str, Any]]] = []
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def reply(self, body: object) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        if self.path == "/v1/models":
+            self.reply({"data": [{"id": "stand-in", "owned_by": self.owned_by}]})
+        else:
+            self.reply({"version": "0.0-stand-in"})
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.requests.append((self.path, body))
+        if self.path == "/tokenize":
+            count = 64 + 8 * len(body.get("messages", []))
+            self.reply({"tokens": list(range(count)), "count": count, "max_model_len": 8192})
+        else:
+            details = None if self.cached is None else {"cached_tokens": self.cached}
+            prompt = len(body["prompt"])
+            self.reply({"usage": {"prompt_tokens": prompt, "completion_tokens": 1,
+                                  "prompt_tokens_details": details}})  # fmt: skip
+
+
+@pytest.fixture
+def stand_in() -> Iterator[tuple[str, type[StandIn]]]:
+    handler = type("Handler", (StandIn,), {"requests": []})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", handler
+    server.shutdown()
+
+
+def test_vllm_is_asked_for_the_chat_ids_and_counted_from_cached_tokens(
+    pytester: pytest.Pytester, stand_in: tuple[str, type[StandIn]]
+) -> None:
+    url, handler = stand_in
+    result, report = run_gate(pytester, url)
+    result.assert_outcomes(passed=1, failed=1)  # 48 reused: the edit's 4,100 budget is broken
+    edit = next(row for row in report["checks"] if row["name"] == "openai-edit-end")
+    m = edit["metrics"]
+    assert (m["reused_tokens"], m["reprefill_tokens"]) == (48, m["prompt_tokens"] - 48)
+    tokenized = [body for path, body in handler.requests if path == "/tokenize"]
+    assert tokenized and all(b["add_generation_prompt"] is False and b["model"] == "stand-in"
+                             for b in tokenized)  # fmt: skip
+    sent = [body for path, body in handler.requests if path == "/v1/completions"]
+    assert all(b["max_tokens"] == 1 and isinstance(b["prompt"], list) for b in sent)
+
+
+def test_a_server_without_its_cache_report_is_one_error_naming_the_flag(
+    pytester: pytest.Pytester, stand_in: tuple[str, type[StandIn]]
+) -> None:
+    url, handler = stand_in
+    handler.cached = None
+    result, report = run_gate(pytester, url)
+    result.assert_outcomes(failed=2)
+    for row in report["checks"]:
+        assert row["verdict"] == "ERROR"
+        assert "no usage.prompt_tokens_details.cached_tokens" in row["error"]
+        assert "--enable-prompt-tokens-details" in row["error"]
+
+
+def test_sglang_is_refused_for_want_of_a_chat_rendering_endpoint(
+    pytester: pytest.Pytester, stand_in: tuple[str, type[StandIn]]
+) -> None:
+    url, handler = stand_in
+    handler.owned_by = "sglang"
+    result, report = run_gate(pytester, url)
+    result.assert_outcomes(failed=2)
+    for row in report["checks"]:
+        assert "has no endpoint that renders a chat into token ids" in row["error"]
+    assert not [path for path, _ in handler.requests if path == "/v1/completions"]
