@@ -249,6 +249,13 @@ CASES = {
         "loop: a sweep on it has no prompt (fix: remove params.prompt: it applies to served "
         "engines such as llama_server)",
     ),
+    "openai_checkpoints": (
+        "    scenario: edit_replay\n    engine: openai\n    model: http://127.0.0.1:8000\n"
+        "    policy: swa\n    params: {followup: append, checkpoints: 2}\n"
+        "    budgets: {min_reused_tokens: 10}\n",
+        "budgets.yaml:9: engine openai talks to a running server whose checkpoints are its own "
+        "settings: kvguard cannot set them*",
+    ),
     "server_stream": (
         "    engine: llama_server\n    policy: sink\n    params: {cap: 255, tokens: 1500}\n"
         "    budgets: {max_ppl_increase_pct: 25}\n",

@@ -175,6 +175,9 @@ def test_llama_server_sink_sweep_keeps_each_sink_count() -> None:
         assert row["sinks_kept"] == sinks
         assert row["kv_entries"] == row["first_eviction"] == 255  # cap: --ctx-size 256
         assert row["context_shifts"] == sink4.metrics["context_shifts"] > 0
+    # Shared, not recomputed: the sweep reports no time of its own for those runs.
+    shared = [policy for policy, seconds in sweep.seconds.items() if seconds == 0.0]
+    assert sorted(shared) == ["baseline", "sink4/255 reidx step1", "window/255 reidx step1"]
     assert rows[4]["post_eviction_ppl"] == sink4.metrics["post_eviction_ppl"]
     assert rows[0]["post_eviction_ppl"] == window.metrics["post_eviction_ppl"]
     assert all(rows[s]["post_eviction_ppl"] < rows[0]["post_eviction_ppl"] for s in (1, 2, 4, 8))

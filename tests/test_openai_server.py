@@ -12,6 +12,7 @@ from __future__ import annotations
 import http.server
 import json
 import threading
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,6 +25,7 @@ from pytest_kvguard.models import ModelRef
 from pytest_kvguard.policies import Policy
 from pytest_kvguard.scenarios.edit_replay import (
     DEFAULT_CHAT,
+    common_prefix,
     followup,
     history,
     load_conversation,
@@ -95,11 +97,17 @@ def test_openai_counts_are_the_servers_usage_and_equal_its_timings(
 
 
 class StandIn(http.server.BaseHTTPRequestHandler):
-    """A server that answers as vLLM or SGLang document their APIs (no model behind it)."""
+    """A server that answers as vLLM documents its API, with no model behind it: a chat is 8
+    ids per message, and a prompt's cached tokens are its longest common prefix with any
+    earlier prompt, in whole blocks, never the last token (as vLLM caches)."""
 
     owned_by = "vllm"
-    cached: int | None = 48
-    requests: list[tuple[str, dict[str, Any]]] = []
+    block = 16
+    reports = True
+    null_when_zero = False
+    """As some vLLM releases: no prompt_tokens_details at all when nothing was cached."""
+    requests: list[tuple[str, dict[str, Any]]]
+    seen: list[list[int]]
 
     def log_message(self, *args: object) -> None:
         pass
@@ -121,18 +129,23 @@ class StandIn(http.server.BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.requests.append((self.path, body))
         if self.path == "/tokenize":
-            count = 64 + 8 * len(body.get("messages", []))
-            self.reply({"tokens": list(range(count)), "count": count, "max_model_len": 8192})
-        else:
-            details = None if self.cached is None else {"cached_tokens": self.cached}
-            prompt = len(body["prompt"])
-            self.reply({"usage": {"prompt_tokens": prompt, "completion_tokens": 1,
-                                  "prompt_tokens_details": details}})  # fmt: skip
+            ids = [zlib.crc32((m["role"] + m["content"]).encode()) % 50000
+                   for m in body.get("messages", []) for _ in range(8)]  # fmt: skip
+            self.reply({"tokens": ids, "count": len(ids), "max_model_len": 8192})
+            return
+        prompt = body["prompt"]
+        shared = max((common_prefix(prompt, earlier) for earlier in self.seen), default=0)
+        cached = min(shared, len(prompt) - 1) // self.block * self.block
+        self.seen.append(prompt)
+        silent = not self.reports or (cached == 0 and self.null_when_zero)
+        self.reply({"usage": {"prompt_tokens": len(prompt), "completion_tokens": 1,
+                              "prompt_tokens_details": None if silent
+                              else {"cached_tokens": cached}}})  # fmt: skip
 
 
 @pytest.fixture
 def stand_in() -> Iterator[tuple[str, type[StandIn]]]:
-    handler = type("Handler", (StandIn,), {"requests": []})
+    handler = type("Handler", (StandIn,), {"requests": [], "seen": []})
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -145,10 +158,13 @@ def test_vllm_is_asked_for_the_chat_ids_and_counted_from_cached_tokens(
 ) -> None:
     url, handler = stand_in
     result, report = run_gate(pytester, url)
-    result.assert_outcomes(passed=1, failed=1)  # 48 reused: the edit's 4,100 budget is broken
-    edit = next(row for row in report["checks"] if row["name"] == "openai-edit-end")
-    m = edit["metrics"]
-    assert (m["reused_tokens"], m["reprefill_tokens"]) == (48, m["prompt_tokens"] - 48)
+    result.assert_outcomes(passed=1, failed=1)  # the edit's 4,100 budget is not this chat's
+    for row in report["checks"]:
+        m = row["metrics"]
+        expected = min(m["split"], m["prompt_tokens"] - 1) // 16 * 16
+        assert (m["reused_tokens"], m["reprefill_tokens"]) == (
+            expected, m["prompt_tokens"] - expected)  # fmt: skip
+        assert m["reused_tokens"] > 0
     tokenized = [body for path, body in handler.requests if path == "/tokenize"]
     assert tokenized and all(b["add_generation_prompt"] is False and b["model"] == "stand-in"
                              for b in tokenized)  # fmt: skip
@@ -156,17 +172,50 @@ def test_vllm_is_asked_for_the_chat_ids_and_counted_from_cached_tokens(
     assert all(b["max_tokens"] == 1 and isinstance(b["prompt"], list) for b in sent)
 
 
+def test_no_report_when_nothing_was_cached_is_read_as_zero(
+    pytester: pytest.Pytester, stand_in: tuple[str, type[StandIn]]
+) -> None:
+    """A release that leaves the details out when it cached nothing: the follow-up is sent
+    once more, reported cached then, so the first silence meant 0."""
+    url, handler = stand_in
+    # One block of 192: the edit's 176 shared tokens fill none, its whole repeat one.
+    handler.block, handler.null_when_zero = 192, True
+    result, report = run_gate(pytester, url)
+    rows = {row["name"]: row for row in report["checks"]}
+    assert rows["openai-edit-end"]["metrics"]["split"] == 176
+    assert rows["openai-edit-end"]["verdict"] == "FAIL"  # a figure, not an ERROR
+    assert rows["openai-edit-end"]["metrics"]["reused_tokens"] == 0
+    assert rows["openai-append"]["metrics"]["reused_tokens"] == 192
+    result.assert_outcomes(passed=1, failed=1)
+
+
 def test_a_server_without_its_cache_report_is_one_error_naming_the_flag(
     pytester: pytest.Pytester, stand_in: tuple[str, type[StandIn]]
 ) -> None:
     url, handler = stand_in
-    handler.cached = None
+    handler.reports = False
     result, report = run_gate(pytester, url)
     result.assert_outcomes(failed=2)
     for row in report["checks"]:
         assert row["verdict"] == "ERROR"
-        assert "no usage.prompt_tokens_details.cached_tokens" in row["error"]
+        assert "reports no usage.prompt_tokens_details.cached_tokens" in row["error"]
         assert "--enable-prompt-tokens-details" in row["error"]
+
+
+def test_a_server_that_held_the_follow_up_already_is_an_error(
+    pytester: pytest.Pytester, stand_in: tuple[str, type[StandIn]]
+) -> None:
+    """The same checks against the same server twice: the second run's follow-ups are in its
+    cache from the first, which reads as more reuse than the edit shares with its prompt."""
+    url, _ = stand_in
+    run_gate(pytester, url)
+    result, report = run_gate(pytester, url)
+    rows = {row["name"]: row for row in report["checks"]}
+    assert "it held the follow-up from an earlier request" in rows["openai-edit-end"]["error"]
+    # The append's follow-up starts with the whole first prompt: a cached copy reads as the
+    # reuse the server would earn anyway (192 of 200 shared, in blocks), so it passes.
+    assert rows["openai-append"]["verdict"] == "PASS"
+    result.assert_outcomes(passed=1, failed=1)
 
 
 def test_sglang_is_refused_for_want_of_a_chat_rendering_endpoint(

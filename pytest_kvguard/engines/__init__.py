@@ -302,7 +302,7 @@ ENGINES: dict[str, EngineInfo] = {
             "nothing to install: start the server (vLLM, SGLang, llama-server) and give "
             "model: http://HOST:PORT",
             # The server's own cache, whatever it was started with: the policy labels it.
-            policies={"edit_replay": ("full", "swa", "swa_full")},
+            policies={"edit_replay": ("full", "swa")},
             position_modes=("reindexed",),
             model_forms=("url",),
             remote=True,

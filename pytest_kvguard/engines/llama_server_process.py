@@ -109,9 +109,13 @@ class ServerSettings:
 class Http:
     """JSON over HTTP to one server, every request under a timeout; failures become one line."""
 
-    def __init__(self, url: str, timeout: float, alive: Any = None) -> None:
+    def __init__(
+        self, url: str, timeout: float, alive: Any = None, server: str = "llama-server"
+    ) -> None:
         self.url = url.rstrip("/")
         self.timeout = timeout
+        self.server = server
+        """What errors call the server (engine openai: "the OpenAI-compatible server")."""
         self.alive = alive
         """Called on a failed request: raises if the server process has died (its exit and log
         tail say more than a refused connection)."""
@@ -130,7 +134,7 @@ class Http:
             self.url + path, data=data, method=method,
             headers={"Content-Type": "application/json"} if data is not None else {},
         )  # fmt: skip
-        where = f"llama-server at {self.url}: {method} {path}"
+        where = f"{self.server} at {self.url}: {method} {path}"
         try:
             with urllib.request.urlopen(request, timeout=timeout or self.timeout) as response:
                 raw = response.read()
@@ -143,7 +147,7 @@ class Http:
                 self.alive()
             raise EngineError(
                 f"{where} answered something that is not HTTP: {type(exc).__name__} {exc}"[:300],
-                fix="check that the URL is a llama-server",
+                fix=f"check that the URL is a {self.server}",
             ) from None
         except (urllib.error.URLError, OSError) as exc:
             if self.alive is not None:
@@ -163,7 +167,7 @@ class Http:
             excerpt = raw[:120].decode("utf-8", "replace")
             raise EngineError(
                 f"{where} answered something that is not JSON: {excerpt!r}",
-                fix="check that the URL is a llama-server",
+                fix=f"check that the URL is a {self.server}",
             ) from None
 
 

@@ -78,7 +78,8 @@ class OpenAIServerEngine:
                 key="model",
             )
         self.url = url.rstrip("/")
-        self.http = Http(self.url, seconds_from_env(REQUEST_TIMEOUT_ENV, DEFAULT_REQUEST_TIMEOUT))
+        self.http = Http(self.url, seconds_from_env(REQUEST_TIMEOUT_ENV, DEFAULT_REQUEST_TIMEOUT),
+                         server="OpenAI-compatible server")  # fmt: skip
         self._served: tuple[str, str] | None = None
 
     def served(self) -> tuple[str, str]:
@@ -96,12 +97,12 @@ class OpenAIServerEngine:
         return self.served()[1]
 
     def version(self) -> str:
-        if self.dialect == "llamacpp":
-            return str(self.http.get("/props").get("build_info", "unknown"))
-        if self.dialect == "vllm":
-            answer = self.http.get("/version")
-            return str(answer.get("version", "unknown")) if isinstance(answer, Mapping) else "?"
-        return "unknown"
+        """llama-server's build (/props), vLLM's release (/version); else unknown."""
+        path, key = {"llamacpp": ("/props", "build_info"), "vllm": ("/version", "version")}.get(
+            self.dialect, ("", "")
+        )
+        answer = self.http.get(path) if path else None
+        return str(answer.get(key, "unknown")) if isinstance(answer, Mapping) else "unknown"
 
     def describe(self) -> dict[str, str]:
         model, kind = self.served()
@@ -166,36 +167,43 @@ class OpenAIPrefixCache:
         self.engine = engine
         self.first_usage: Mapping[str, Any] | None = None
 
-    def _complete(self, token_ids: Sequence[int]) -> tuple[int, int]:
-        """Send the ids as a prompt, generate one token: (prompt tokens, cached tokens)."""
+    def _complete(self, token_ids: Sequence[int]) -> int | None:
+        """Send the ids as a prompt, generate one token: the cached tokens the server reports
+        (None where it reports none)."""
         body = {"model": self.engine.served()[0], "prompt": list(token_ids), "max_tokens": 1,
                 "temperature": 0.0}  # fmt: skip
         usage = answer_field(self.engine.http.post("/v1/completions", body), "usage",
                              where="/v1/completions")  # fmt: skip
         prompt = usage.get("prompt_tokens") if isinstance(usage, Mapping) else None
-        details = usage.get("prompt_tokens_details") if isinstance(usage, Mapping) else None
-        cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
-        if not isinstance(cached, int):
-            raise EngineError(
-                f"the server at {self.engine.url} reported no usage.prompt_tokens_details."
-                f"cached_tokens: {str(usage)[:160]}",
-                fix=CACHE_REPORT_FLAGS.get(self.engine.dialect, "enable its cache report"),
-            )
         if prompt != len(token_ids):
             raise EngineError(
                 f"the server counted {prompt} prompt tokens for {len(token_ids)} token ids sent",
             )
-        return prompt, cached
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
+        if cached is not None and not isinstance(cached, int):
+            raise EngineError(f"the server's cached_tokens is not a count: {cached!r:.60}")
+        return cached
 
     def extend(self, token_ids: Sequence[int], start: int) -> None:
         if start != 0:
             raise EngineError("a server's prefix cache is filled by whole prompts only")
-        self._complete(token_ids)
+        self._complete(token_ids)  # a cold prompt may report nothing cached, or nothing at all
 
     def replay(self, token_ids: Sequence[int]) -> tuple[int, int, int | None]:
         """(reused, re-prefilled, no checkpoint figure) for the follow-up."""
-        prompt, cached = self._complete(token_ids)
-        return cached, prompt - cached, None
+        cached = self._complete(token_ids)
+        if cached is None:
+            # Some vLLM releases leave the details out when nothing was cached: the same
+            # prompt again must now be cached, so a second silence means no report at all.
+            if self._complete(token_ids) is None:
+                raise EngineError(
+                    f"the server at {self.engine.url} reports no "
+                    "usage.prompt_tokens_details.cached_tokens",
+                    fix=CACHE_REPORT_FLAGS.get(self.engine.dialect, "enable its cache report"),
+                )
+            cached = 0
+        return cached, len(token_ids) - cached, None
 
     def memory_bytes(self) -> dict[str, float]:
         # Not in the API: budgets on memory are refused at parse time for a URL.

@@ -17,8 +17,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from pytest_kvguard.engines import Engine
-from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.engines import Engine, engine_info
+from pytest_kvguard.errors import EngineError, KvguardError
 from pytest_kvguard.paths import resolve_under
 from pytest_kvguard.policies import DEFAULT_CHECKPOINT_STEP, Policy
 from pytest_kvguard.scenarios.base import Check, Context, Fields, Measured, Param, Scenario
@@ -198,6 +198,12 @@ def run_edit_replay(
         if served is not None:
             # A server decides its own reuse when the follow-up arrives, and counts it.
             reused, reprefilled, restored = served(followup_ids)
+            if reused > split:
+                raise EngineError(
+                    f"the server reused {reused} tokens of a follow-up that shares only {split} "
+                    "with the prompt before it: it held the follow-up from an earlier request",
+                    fix="restart the server or flush its prefix cache before the run",
+                )
         else:
             # At least one token is decoded, so the follow-up has logits to generate from.
             reused, restored = cache.keep_prefix(min(split, len(followup_ids) - 1))
@@ -259,6 +265,13 @@ class EditReplayScenario(Scenario[ReplaySpec]):
         assert fields.policy is not None
         p = fields.params
         policy = fields.policy_of("policy", fields.policy, "edit_replay")
+        if policy.checkpoints and engine_info(fields.engine).remote:
+            raise KvguardError(
+                f"engine {fields.engine} talks to a running server whose checkpoints are its own "
+                "settings: kvguard cannot set them",
+                fix="remove params.checkpoints (start the server with its own flag for them)",
+                key="params.checkpoints",
+            )
         kind, message = p["followup"], p["message"]
         if kind not in FOLLOWUPS:
             raise KvguardError(
@@ -283,8 +296,8 @@ class EditReplayScenario(Scenario[ReplaySpec]):
         loaded = ctx.engine(check.engine, check.model)
         conversation = load_conversation(spec.chat, check.base_dir)
         chats = (history(conversation), followup(conversation, spec.followup, spec.message))
-        # A server that renders and tokenizes a chat in one call (vLLM) says so with
-        # tokenize_chat; the others render the template, then tokenize the text.
+        # Engine openai takes the ids from its server (vLLM renders and tokenizes a chat in one
+        # call) through tokenize_chat; the others render the template, then tokenize the text.
         tokenize_chat = getattr(loaded, "tokenize_chat", None)
         if tokenize_chat is not None:
             first_ids, second_ids = (tokenize_chat(chat) for chat in chats)

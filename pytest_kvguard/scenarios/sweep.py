@@ -344,7 +344,16 @@ class SweepScenario(Scenario[SweepSpec]):
         base, base_new = generated(spec.baseline)
         rows, seconds = [], {"baseline": base.seconds if base_new else 0.0}
         for mode, count, policy in spec.policies():
-            run, new = generated(policy)
+            try:
+                run, new = generated(policy)
+            except KvguardError as exc:
+                if count != 0:
+                    raise
+                raise KvguardError(  # a model whose tokenizer adds a BOS: the server keeps it
+                    f"{exc.message} (sink count 0 of this sweep)",
+                    fix="drop 0 from params.sinks on this model: 1 sink is its BOS",
+                    key="params.sinks",
+                ) from None
             rows.append(SweepRow(mode, count, ServedResult(run, base, spec.cap)))
             seconds[policy.describe()] = run.seconds if new else 0.0
         return self._measured(spec, text, rows, seconds, spec.tokens / base.seconds)
