@@ -158,4 +158,4 @@ def test_a_url_is_a_model_only_for_a_server_engine(gate: pytest.Pytester) -> Non
     result = gate.runpytest("--kvguard", "budgets.yaml")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*budgets.yaml:*engine 'fake' cannot load a model url*"
-                                 "(a URL is for engine llama_server)*"])  # fmt: skip
+                                 "(a URL is for engines llama_server and openai)*"])  # fmt: skip
