@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -51,3 +52,18 @@ def gate(pytester: pytest.Pytester, tiny_gguf: Path, fake_engine: None) -> pytes
     """A pytester folder with the tiny GGUF, for budgets files on the toy engine."""
     (pytester.path / "tiny.gguf").write_bytes(tiny_gguf.read_bytes())
     return pytester
+
+
+@pytest.fixture(scope="module")
+def smollm2_server() -> Iterator[object]:
+    """A llama-server kvguard starts on the bundled SmolLM2-135M, stopped after the module."""
+    from pytest_kvguard.engines import EngineOptions, load_engine
+    from pytest_kvguard.engines.llama_server import LlamaServerEngine
+    from pytest_kvguard.models import ModelRef
+
+    engine = load_engine(
+        "llama_server", ModelRef("smollm2-135m").resolve(), EngineOptions.from_env()
+    )
+    assert isinstance(engine, LlamaServerEngine)
+    yield engine
+    engine.close()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -30,45 +29,39 @@ pytestmark = pytest.mark.engine
 SMOLLM2 = ModelRef("smollm2-135m")
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[LlamaServerEngine]:
-    engine = load_engine("llama_server", SMOLLM2.resolve(), EngineOptions.from_env())
-    assert isinstance(engine, LlamaServerEngine)
-    yield engine
-    engine.close()
-
-
 def ids_of(runner: Runner, count: int) -> list[int]:
     return runner.token_ids("llama_cpp", SMOLLM2, pydoc_topics(), count)
 
 
 def test_the_server_tokenizes_and_renders_chats_as_llama_cpp(
-    server: LlamaServerEngine, kvguard_runner: Runner
+    smollm2_server: LlamaServerEngine, kvguard_runner: Runner
 ) -> None:
     in_process = kvguard_runner.engine("llama_cpp", SMOLLM2)
     text = pydoc_topics().content[:6000]
-    assert server.tokenize(text) == in_process.tokenize(text)
+    assert smollm2_server.tokenize(text) == in_process.tokenize(text)
     chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
     system = [{"role": "system", "content": "Be brief."}]
-    assert server.render_chat(system + chat) == in_process.render_chat(system + chat)
+    assert smollm2_server.render_chat(system + chat) == in_process.render_chat(system + chat)
     # Without a system message SmolLM2's Jinja template (the server's) adds its default one;
     # llama.cpp's built-in chatml (the in-process engine's) does not.
-    assert server.render_chat(chat) == (
+    assert smollm2_server.render_chat(chat) == (
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
         "Face<|im_end|>\n" + in_process.render_chat(chat)
     )
-    assert not server.adds_bos()  # SmolLM2's tokenizer adds none: n_keep is the sinks as asked
-    assert server.version() != "unknown"
+    assert (
+        not smollm2_server.adds_bos()
+    )  # SmolLM2's tokenizer adds none: n_keep is the sinks as asked
+    assert smollm2_server.version() != "unknown"
 
 
 def test_forced_generation_scores_every_token_as_llama_cpp_does(
-    server: LlamaServerEngine, kvguard_runner: Runner
+    smollm2_server: LlamaServerEngine, kvguard_runner: Runner
 ) -> None:
     """The full context: the server's probability of each forced token against the in-process
     engine's logits on the same ids. A 32-token prompt: both prefill it in batches under 64
     tokens (31 + 1 in process, 32 on the server), which llama.cpp computes by the same path."""
     ids = ids_of(kvguard_runner, 600)
-    nll = server.converse(make_policy("full"), ids, [Turn(32, 568)], 512)
+    nll = smollm2_server.converse(make_policy("full"), ids, [Turn(32, 568)], 512)
     assert np.isnan(nll[:31]).all() and not np.isnan(nll[31:]).any()
     in_process = kvguard_runner.engine("llama_cpp", SMOLLM2).converse(
         make_policy("full"), ids, [Turn(32, 568)], 512
@@ -78,17 +71,17 @@ def test_forced_generation_scores_every_token_as_llama_cpp_does(
 
 
 def test_context_shift_is_the_sink_policy_evicting_as_asked(
-    server: LlamaServerEngine, kvguard_runner: Runner
+    smollm2_server: LlamaServerEngine, kvguard_runner: Runner
 ) -> None:
     """cap 255 = --ctx-size 256 (the server shifts when one more token would not fit), n_keep 4,
     n_discard 125: the server's shifts and perplexity match the in-process sink policy's."""
     ids = ids_of(kvguard_runner, 1000)
     policy = make_policy("sink", cap=255, sinks=4, evict_step=125)
     turns = [Turn(32, 968)]
-    nll = server.converse(policy, ids, turns, 512)
+    nll = smollm2_server.converse(policy, ids, turns, 512)
     # Full at 255 held, then every 125 tokens: tokens 255, 380, 505, ... are decoded after a
     # shift (the last token is sampled, never decoded).
-    assert server.last_shifts == [(4, 251, 125)] * len(range(255, 999, 125))
+    assert smollm2_server.last_shifts == [(4, 251, 125)] * len(range(255, 999, 125))
     in_process = kvguard_runner.engine("llama_cpp", SMOLLM2).converse(policy, ids, turns, 512)
     past_cap = np.arange(len(nll)) >= 255
     served = math.exp(float(np.nanmean(nll[past_cap])))
@@ -97,13 +90,13 @@ def test_context_shift_is_the_sink_policy_evicting_as_asked(
 
 
 def test_an_existing_server_is_reached_by_url_and_checked_against_its_props(
-    server: LlamaServerEngine,
+    smollm2_server: LlamaServerEngine,
 ) -> None:
-    http = server.serve(ServerSettings(n_ctx=1024))
+    http = smollm2_server.serve(ServerSettings(n_ctx=1024))
     existing = load_engine("llama_server", http.url, EngineOptions.from_env())
     assert isinstance(existing, LlamaServerEngine)
     try:
-        assert existing.tokenize("Hello world") == server.tokenize("Hello world")
+        assert existing.tokenize("Hello world") == smollm2_server.tokenize("Hello world")
         with pytest.raises(KvguardError, match="gives each slot 1024 tokens of context; this "
                            "check needs 4097") as refused:  # fmt: skip
             existing.serve(ServerSettings(n_ctx=4097))
@@ -112,7 +105,7 @@ def test_an_existing_server_is_reached_by_url_and_checked_against_its_props(
             existing.serve(ServerSettings(n_ctx=257, context_shift=True))
     finally:
         existing.close()  # not kvguard's server: left running
-    assert server.server is not None and server.server.process.poll() is None
+    assert smollm2_server.server is not None and smollm2_server.server.process.poll() is None
 
 
 def test_close_stops_the_server_it_started() -> None:

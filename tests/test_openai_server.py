@@ -57,21 +57,13 @@ def run_gate(pytester: pytest.Pytester, url: str) -> tuple[pytest.RunResult, dic
     return result, json.loads((pytester.path / "report.json").read_text())
 
 
-@pytest.fixture(scope="module")
-def llama_server() -> Iterator[LlamaServerEngine]:
-    engine = load_engine("llama_server", SMOLLM2.resolve(), EngineOptions.from_env())
-    assert isinstance(engine, LlamaServerEngine)
-    yield engine
-    engine.close()
-
-
 @pytest.mark.engine
 def test_openai_counts_are_the_servers_usage_and_equal_its_timings(
-    pytester: pytest.Pytester, llama_server: LlamaServerEngine
+    pytester: pytest.Pytester, smollm2_server: LlamaServerEngine
 ) -> None:
     """The bundled chat's last-message edit and an append through /v1/completions, counted
     from cached_tokens, as the llama_server engine counts them from timings on that server."""
-    http = llama_server.serve(ServerSettings(n_ctx=4608))
+    http = smollm2_server.serve(ServerSettings(n_ctx=4608))
     result, report = run_gate(pytester, http.url)
     result.assert_outcomes(passed=2)
     rows = {row["name"]: row for row in report["checks"]}

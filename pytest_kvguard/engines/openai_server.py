@@ -165,7 +165,6 @@ class OpenAIPrefixCache:
 
     def __init__(self, engine: OpenAIServerEngine) -> None:
         self.engine = engine
-        self.first_usage: Mapping[str, Any] | None = None
 
     def _complete(self, token_ids: Sequence[int]) -> int | None:
         """Send the ids as a prompt, generate one token: the cached tokens the server reports
