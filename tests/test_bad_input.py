@@ -256,6 +256,25 @@ CASES = {
         "budgets.yaml:9: engine openai talks to a running server whose checkpoints are its own "
         "settings: kvguard cannot set them*",
     ),
+    "chat_messages_past_the_chat": (
+        "    scenario: edit_replay\n    policy: full\n"
+        "    params: {followup: append, chat_messages: 99}\n"
+        "    budgets: {min_reused_tokens: 10}\n",
+        "budgets.yaml:7: params.chat_messages is 99, and chat 'tutor' has 25 messages (fix: use "
+        "chat_messages: 2 to 25, or leave it out for all)",
+    ),
+    "chat_messages_one": (
+        "    scenario: edit_replay\n    policy: full\n"
+        "    params: {followup: append, chat_messages: 1}\n"
+        "    budgets: {min_reused_tokens: 10}\n",
+        "budgets.yaml:7: params.chat_messages must be >= 2, got 1",
+    ),
+    "edit_past_the_shortened_chat": (
+        "    scenario: edit_replay\n    policy: full\n"
+        "    params: {followup: edit, message: 13, chat_messages: 11}\n"
+        "    budgets: {min_reused_tokens: 10}\n",
+        "budgets.yaml:7: edit needs a message index within the chat's 11 messages*",
+    ),
     "server_stream": (
         "    engine: llama_server\n    policy: sink\n    params: {cap: 255, tokens: 1500}\n"
         "    budgets: {max_ppl_increase_pct: 25}\n",

@@ -25,6 +25,15 @@ def test_bundled_chat_has_reasoning_to_trim() -> None:
     assert sum(1 for m in TUTOR.messages if m.reasoning) == 12
 
 
+def test_a_shortened_chat_keeps_its_first_messages_and_says_so() -> None:
+    short = TUTOR.first(11)
+    assert short.messages == TUTOR.messages[:11] and short.name == "tutor[:11]"
+    assert TUTOR.first(None) is TUTOR and TUTOR.first(25) is TUTOR
+    assert followup(short, "append", None)[:-1] == history(short)
+    with pytest.raises(KvguardError, match="chat_messages is 26, and chat 'tutor' has 25"):
+        TUTOR.first(26)
+
+
 def test_edit_changes_only_that_message() -> None:
     before, after = history(TUTOR), followup(TUTOR, "edit", 13)
     changed = [i for i, (a, b) in enumerate(zip(before, after, strict=True)) if a != b]

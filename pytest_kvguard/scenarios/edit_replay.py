@@ -54,6 +54,20 @@ class Conversation:
     name: str
     messages: tuple[Message, ...]
 
+    def first(self, count: int | None) -> Conversation:
+        """The chat's first ``count`` messages (all of them for None), named so the report
+        tells a shortened chat from the whole one: ``tutor[:11]``."""
+        if count is None or count == len(self.messages):
+            return self
+        if not 2 <= count <= len(self.messages):
+            raise KvguardError(
+                f"params.chat_messages is {count}, and chat '{self.name}' has "
+                f"{len(self.messages)} messages",
+                fix=f"use chat_messages: 2 to {len(self.messages)}, or leave it out for all",
+                key="params.chat_messages",
+            )
+        return Conversation(f"{self.name}[:{count}]", self.messages[:count])
+
 
 def load_conversation(spec: str, base_dir: Path) -> Conversation:
     """The bundled ``tutor`` chat, or a JSON file ``{"messages": [{"role", "content", ...}]}``."""
@@ -230,6 +244,8 @@ class ReplaySpec:
     chat: str
     followup: str
     message: int | None
+    chat_messages: int | None = None
+    """Only the chat's first this many messages (None: all)."""
 
     def describe_followup(self) -> str:
         """``edit #13``, ``append``."""
@@ -248,6 +264,10 @@ class EditReplayScenario(Scenario[ReplaySpec]):
     params = (
         Param("chat", "str", DEFAULT_CHAT,
               f"'{DEFAULT_CHAT}' (the bundled 4k-token chat) or a JSON chat file"),
+        Param("chat_messages", "int", None,
+              "use only the chat's first this many messages (default: all); "
+              f"'{DEFAULT_CHAT}' with 11 is 1,845 tokens on Gemma 3, 1,927 on SmolLM2",
+              minimum=2),
         Param("followup", "str", None, "edit, regenerate, append or trim_reasoning (required)"),
         Param("message", "int", None,
               "edit: index of the edited message (negative counts from the end)"),
@@ -287,14 +307,15 @@ class EditReplayScenario(Scenario[ReplaySpec]):
                 key="params.message" if message is not None else "params.followup",
             )
         # Parse the chat now: a bad file or index fails before any engine loads.
-        followup(load_conversation(p["chat"], fields.base_dir), kind, message)
-        return ReplaySpec(policy, p["chat"], kind, message)
+        conversation = load_conversation(p["chat"], fields.base_dir).first(p["chat_messages"])
+        followup(conversation, kind, message)
+        return ReplaySpec(policy, p["chat"], kind, message, p["chat_messages"])
 
     def run(self, ctx: Context, check: Check[ReplaySpec]) -> Measured:
         """Cache the chat under the policy, send the follow-up, count reused and re-prefilled."""
         spec = check.spec
         loaded = ctx.engine(check.engine, check.model)
-        conversation = load_conversation(spec.chat, check.base_dir)
+        conversation = load_conversation(spec.chat, check.base_dir).first(spec.chat_messages)
         chats = (history(conversation), followup(conversation, spec.followup, spec.message))
         # Engine openai takes the ids from its server (vLLM renders and tokenizes a chat in one
         # call) through tokenize_chat; the others render the template, then tokenize the text.
@@ -323,7 +344,7 @@ class EditReplayScenario(Scenario[ReplaySpec]):
         return Measured(
             policy=spec.policy.describe(),
             tokens=replay.prompt_tokens,
-            text=Text(spec.chat, first_text),
+            text=Text(conversation.name, first_text),
             metrics=run.metrics,
             seconds={"prefill": run.prefill_seconds, "replay": replay.seconds},
             tokens_per_second=replay.reprefilled / replay.seconds if replay.seconds else 0.0,
