@@ -14,9 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Any
 
 from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.gguf_header import read_gguf_header
 from pytest_kvguard.paths import resolve_under
 
 
@@ -183,11 +183,6 @@ class ModelArch:
         return self.n_layers * per_layer
 
 
-def _field(reader: Any, key: str) -> Any:
-    field = reader.fields.get(key)
-    return None if field is None else field.contents()
-
-
 BUILTIN_CHAT_TEMPLATES = {"gemma3": "gemma", "gemma2": "gemma", "gemma": "gemma"}
 """llama.cpp built-in template names, for GGUF files that carry no template, by architecture."""
 
@@ -195,29 +190,20 @@ BUILTIN_CHAT_TEMPLATES = {"gemma3": "gemma", "gemma2": "gemma", "gemma": "gemma"
 def builtin_chat_template(path: Path) -> str | None:
     """The built-in template kvguard renders chats with where the GGUF carries none (the
     Gemma 3 base GGUF); None where the file has its own."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
-    if _field(reader, "tokenizer.chat_template"):
+    header = read_gguf_header(path)
+    if header.field("tokenizer.chat_template"):
         return None
-    return BUILTIN_CHAT_TEMPLATES.get(str(_field(reader, "general.architecture")))
+    return BUILTIN_CHAT_TEMPLATES.get(str(header.field("general.architecture")))
 
 
 @cache
 def read_arch(path: Path) -> ModelArch:
     """Read layers, KV heads, head dims, context length and sliding window from a GGUF file."""
-    from gguf import GGUFReader  # numpy memmap; reads metadata only
-
-    try:
-        reader = GGUFReader(str(path))
-    except Exception as exc:  # gguf raises ValueError/struct.error on a corrupt header
-        raise KvguardError(
-            f"{path} is not a readable GGUF file: {exc}", fix="check the file or re-download it"
-        ) from exc
-    arch = str(_field(reader, "general.architecture"))
+    header = read_gguf_header(path)
+    arch = str(header.field("general.architecture"))
 
     def number(key: str, default: int | None = None) -> int:
-        value = _field(reader, f"{arch}.{key}")
+        value = header.field(f"{arch}.{key}")
         if value is None:
             if default is None:
                 raise KvguardError(f"{path}: GGUF metadata lacks {arch}.{key}")
@@ -229,7 +215,7 @@ def read_arch(path: Path) -> ModelArch:
     n_layers = number("block_count")
     n_heads = number("attention.head_count")
     head_dim = number("embedding_length") // n_heads
-    window = _field(reader, f"{arch}.attention.sliding_window")
+    window = header.field(f"{arch}.attention.sliding_window")
     sliding_window = int(window) if window else None
     return ModelArch(
         architecture=arch,

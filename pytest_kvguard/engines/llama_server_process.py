@@ -80,8 +80,9 @@ def find_binary() -> Path:
         return Path(found)
     raise KvguardError(
         "engine 'llama_server' needs a llama-server binary, and none was found",
-        fix=f"run `bash .ci/install` (it builds one into .venv/bin), set ${BINARY_ENV}, or give "
-        "the check a running server as model: http://HOST:PORT",
+        fix="run `kvguard-build-llama-server` (it builds one from the installed "
+        f"llama-cpp-python's llama.cpp, next to this Python), set ${BINARY_ENV}, or give the "
+        "check a running server as model: http://HOST:PORT",
     )
 
 
@@ -202,12 +203,7 @@ class ServerProcess:
         # Everything that can refuse is read before the process exists, so nothing leaks.
         timeout = seconds_from_env(REQUEST_TIMEOUT_ENV, DEFAULT_REQUEST_TIMEOUT)
         start_timeout = seconds_from_env(START_TIMEOUT_ENV, DEFAULT_START_TIMEOUT)
-        try:
-            builtin = builtin_chat_template(model_path)
-        except Exception as exc:  # gguf raises ValueError/struct.error on a corrupt header
-            raise KvguardError(
-                f"{model_path} is not a readable GGUF file: {exc}", fix="check the file"
-            ) from None
+        builtin = builtin_chat_template(model_path)  # a corrupt header: one KvguardError line
         # Kept open while the server runs: its log is read for sizes and quoted in errors.
         self.log: IO[bytes] = tempfile.NamedTemporaryFile(  # noqa: SIM115
             prefix="kvguard-llama-server-", suffix=".log"

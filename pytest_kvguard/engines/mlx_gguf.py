@@ -16,6 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.gguf_header import read_gguf_header
 
 LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -69,21 +70,18 @@ def _read_weights(path: Path) -> tuple[dict[str, mx.array], dict[str, Any], str]
 
 
 def _read_with_gguf_package(path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
-    from gguf import GGUFReader
+    from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    reader = GGUFReader(str(path))
+    header = read_gguf_header(path)
     weights = {}
-    for tensor in reader.tensors:
-        array = dequantize(tensor.data, tensor.tensor_type)
-        shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dims innermost first
+    for tensor in header.tensors:
+        array = dequantize(header.tensor_bytes(tensor), GGMLQuantizationType(tensor.ggml_type))
+        shape = tuple(reversed(tensor.shape))  # GGUF lists dims innermost first
         weights[tensor.name.removesuffix(".weight")] = mx.array(
             array.reshape(shape), dtype=mx.float32
         )
-    meta: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if not key.startswith("tokenizer.ggml"):
-            meta[key] = field.contents()
+    meta = {k: v for k, v in header.metadata.items() if not k.startswith("tokenizer.ggml")}
     return weights, meta
 
 
