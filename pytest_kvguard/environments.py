@@ -31,6 +31,7 @@ from pathlib import Path
 
 from pytest_kvguard.engines import engine_info, installed_version
 from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.paths import user_cache_home
 
 EVERY_ENGINE = "*"
 """The key of a bare ``--kvguard-against PATH``: every engine's other run is there."""
@@ -174,8 +175,7 @@ def default_root() -> Path:
     override = os.environ.get("KVGUARD_ENV_DIR")
     if override:
         return Path(override)
-    cache_home = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(cache_home) / "pytest-kvguard" / "envs"
+    return user_cache_home() / "pytest-kvguard" / "envs"
 
 
 def python_of(env_dir: Path) -> Path:

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+
+def user_cache_home() -> Path:
+    """$XDG_CACHE_HOME, else ~/.cache: where kvguard keeps what it builds and installs."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
 
 
 def resolve_under(spec: str, base_dir: Path) -> Path:
