@@ -50,8 +50,8 @@ def test_jobs_pick_runners_by_label_and_use_the_action_with_known_inputs() -> No
     assert jobs["macos-metal"]["runs-on"] == ["self-hosted", "macOS", "ARM64"]
     assert jobs["gpu-cuda"]["runs-on"] == ["self-hosted", "linux", "gpu"]
     build_flags = {}
-    for name, job in jobs.items():
-        gate = [s for s in job["steps"] if s.get("uses") == "./.github/actions/kvguard"]
+    for name in ("linux-cpu", "macos-metal", "gpu-cuda"):
+        gate = [s for s in jobs[name]["steps"] if s.get("uses") == "./.github/actions/kvguard"]
         assert len(gate) == 1, f"{name} runs the gate through the composite action"
         assert set(gate[0].get("with", {})) <= set(inputs), f"{name} passes an unknown input"
         build_flags[name] = (
@@ -60,8 +60,47 @@ def test_jobs_pick_runners_by_label_and_use_the_action_with_known_inputs() -> No
     assert "-DGGML_METAL=on" in build_flags["macos-metal"]
     assert "-DGGML_CUDA=on" in build_flags["gpu-cuda"]
     assert "-DGGML_NATIVE=OFF" in build_flags["linux-cpu"]  # the flags DOMAIN.md needs on x86-64
-    # The hosted job runs the test suite exactly as CI does here.
-    assert any(s.get("run") == "bash .ci/run" for s in jobs["linux-cpu"]["steps"])
+
+
+def test_pull_requests_run_the_tests_and_the_quick_gate_nights_the_full_gate() -> None:
+    """Tiers: the test suite (README command 2) and the quick gate on every push and pull
+    request; the full gate on the nightly schedule and on demand; on every runner; each gate
+    run's report saved as an artifact named by runner and tier."""
+    from test_docs import setup_commands
+
+    workflow = _load(ROOT / ".github" / "workflows" / "kvguard.yml")
+    triggers = workflow[True]  # YAML 1.1 reads the key `on` as True
+    assert {"push", "pull_request", "schedule", "workflow_dispatch"} <= set(triggers)
+    assert triggers["workflow_dispatch"]["inputs"]["tier"]["options"] == ["full", "quick"]
+    tier = workflow["env"]["KVGUARD_TIER"]
+    assert "github.event_name == 'schedule'" in tier and "inputs.tier == 'full'" in tier
+    jobs = workflow["jobs"]
+    _, tests_command = setup_commands()
+    commands = [s.get("run", "") for s in jobs["tests"]["steps"]]
+    assert tests_command in commands, "the tests job runs README command 2"
+    assert "push" in jobs["tests"]["if"] and "pull_request" in jobs["tests"]["if"]
+    for name in ("linux-cpu", "macos-metal", "gpu-cuda"):
+        gate = next(s for s in jobs[name]["steps"] if s.get("uses") == "./.github/actions/kvguard")
+        budgets = gate["with"]["budgets"]
+        assert "env.KVGUARD_TIER == 'full'" in budgets, name
+        assert "'fixtures/budgets.yaml'" in budgets and "'fixtures/quick.yaml'" in budgets, name
+        assert gate["with"]["artifact"].endswith("-${{ env.KVGUARD_TIER }}"), name
+
+
+def test_the_action_builds_llama_server_with_the_package_command() -> None:
+    """pip installs no llama-server: the action builds it with kvguard-build-llama-server, as
+    .ci/install does, only for a budgets file that starts one (by default)."""
+    steps = _load(ACTION)["runs"]["steps"]
+    build = next(s for s in steps if s.get("name") == "Build llama-server")
+    assert "kvguard-build-llama-server --only-for" in build["run"]
+    assert build["env"]["CMAKE_ARGS"] == "${{ inputs.cmake-args }}"
+    assert "kvguard-build-llama-server" in (ROOT / ".ci" / "install").read_text()
+    names = [s.get("name") or s.get("uses") for s in steps]
+    assert (
+        names.index("Install pytest-kvguard")
+        < names.index("Build llama-server")
+        < names.index("Run the gate")
+    )
 
 
 def test_action_uploads_the_report_and_caches_per_build_flags() -> None:
