@@ -23,7 +23,8 @@ class Fault:
     what: str
     """What breaks, as an upgrade would break it."""
     caught_by: tuple[str, ...]
-    """Bundled checks (fixtures/budgets.yaml) that must turn red under this fault."""
+    """Bundled checks that must turn red under this fault (each is in both fixtures/quick.yaml
+    and fixtures/budgets.yaml, under the same name)."""
     patch: Callable[[contextlib.ExitStack], None]
     kills_worker: bool = False
     """The engine crashes or hangs: only run it in an engine worker, never in pytest itself."""

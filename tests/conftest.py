@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import kvguard_fake_engine
 import pytest
@@ -10,6 +12,41 @@ import pytest
 from pytest_kvguard.engines import ENGINES, EngineInfo
 
 pytest_plugins = ["pytester"]
+
+
+GATE_REPORT = pytest.StashKey[dict[str, Any]]()
+"""The JSON report tests/check_gate_report.py checks (--gate-report)."""
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--gate-report",
+        metavar="PATH",
+        help="tests/check_gate_report.py: the gate run's JSON report to check",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """check_gate_report.py needs --gate-report: without it, or with a file that is not a
+    kvguard report, the run ends here with one line (exit 4)."""
+    path = config.getoption("gate_report")
+    if path is None:
+        if any(Path(arg.split("::")[0]).name == "check_gate_report.py" for arg in config.args):
+            raise pytest.UsageError(
+                "tests/check_gate_report.py checks a gate run's JSON report "
+                "(fix: add --gate-report PATH)"
+            )
+        return
+    try:
+        report = json.loads(Path(path).read_text(encoding="utf-8"))
+        missing = [k for k in ("checks", "budgets_file", "machine") if k not in report]
+    except (OSError, json.JSONDecodeError, TypeError) as exc:
+        raise pytest.UsageError(f"--gate-report {path}: {exc}") from None
+    if missing:
+        raise pytest.UsageError(
+            f"--gate-report {path} is not a kvguard JSON report (it lacks {', '.join(missing)})"
+        )
+    config.stash[GATE_REPORT] = report
 
 
 def write_tiny_gguf(path: Path) -> Path:

@@ -20,11 +20,16 @@ ROOT = Path(__file__).parent.parent
 README = (ROOT / "README.md").read_text()
 
 
-def test_readme_has_exactly_two_setup_commands_and_ci_runs_the_second() -> None:
+def setup_commands() -> tuple[str, str]:
+    """README's two set-up commands: the quick gate, then the test suite."""
     commands = re.findall(r"```sh\n(.+?)\n```", README, flags=re.S)
     assert len(commands) == 2
-    gate, tests = commands
-    assert "--kvguard fixtures/budgets.yaml" in gate and gate.startswith("bash .ci/install ")
+    return commands[0], commands[1]
+
+
+def test_readme_has_exactly_two_setup_commands_and_ci_runs_the_second() -> None:
+    gate, tests = setup_commands()
+    assert "--kvguard fixtures/quick.yaml" in gate and gate.startswith("bash .ci/install ")
     assert tests in (ROOT / ".ci" / "run").read_text().splitlines()
 
 

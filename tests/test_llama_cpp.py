@@ -45,11 +45,12 @@ def test_bundled_models_have_the_documented_architecture() -> None:
     assert sum(gemma.swa_layers) == 15  # 5 of every 6 layers slide
 
 
-@pytest.mark.kv_budget(max_ppl_increase_pct=25, max_post_eviction_ppl=13.5, max_kv_entries=256)
+@pytest.mark.kv_budget(max_ppl_increase_pct=25, max_post_eviction_ppl=20, max_kv_entries=128)
 def test_marker_on_a_real_engine(kvguard) -> None:  # type: ignore[no-untyped-def]
-    outcome = kvguard.stream(policy="sink", cap=256, sinks=4, tokens=1500)
+    # engine_checks.yaml's sweep measured this run at 16.80 (+1.1%) over 128 tokens past the cap.
+    outcome = kvguard.stream(policy="sink", cap=128, sinks=4, tokens=256)
     # llama.cpp's own cell counts: the cap held, every token past it evicted.
-    assert (outcome.metrics["kv_entries"], outcome.metrics["evicted"]) == (256, 1500 - 256)
+    assert (outcome.metrics["kv_entries"], outcome.metrics["evicted"]) == (128, 256 - 128)
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +96,8 @@ def test_edit_replay_counts_are_repeatable(kvguard_runner: Runner) -> None:
         Written.plain({
             "name": "repeat", "scenario": "edit_replay", "engine": "llama_cpp",
             "model": "gemma3-270m", "policy": "swa",
-            "params": {"checkpoints": 3, "checkpoint_step": 1024, "followup": "edit",
-                       "message": 13},
+            "params": {"chat_messages": 11, "checkpoints": 3, "checkpoint_step": 512,
+                       "followup": "edit", "message": 5},
         }),
         Written(), base_dir=Path("."), marker_budgets=Budgets(),
     )  # fmt: skip
@@ -122,9 +123,9 @@ def test_a_restored_prefill_replays_like_a_fresh_one(kvguard_runner: Runner) -> 
     )
 
     engine = kvguard_runner.engine("llama_cpp", ModelRef("gemma3-270m"))
-    chat = load_conversation("tutor", Path("."))
+    chat = load_conversation("tutor", Path(".")).first(11)
     first = engine.tokenize(engine.render_chat(history(chat)))
-    second = engine.tokenize(engine.render_chat(followup(chat, "edit", 13)))
+    second = engine.tokenize(engine.render_chat(followup(chat, "edit", 5)))
     fresh, prefilled = run_edit_replay(engine, policy, first, second)
     assert prefilled is not None
     restored, again = run_edit_replay(engine, policy, first, second, prefilled)
@@ -138,9 +139,12 @@ def test_a_restored_prefill_replays_like_a_fresh_one(kvguard_runner: Runner) -> 
     assert 0 < fresh.replay.reused < fresh.replay.prompt_tokens
 
 
-@pytest.mark.kv_budget(min_reused_tokens=4153, max_reprefill_tokens=29, max_memory_bytes="28 MiB")
+@pytest.mark.kv_budget(min_reused_tokens=1845, max_reprefill_tokens=29, max_memory_bytes="21 MiB")
 def test_edit_replay_marker(kvguard) -> None:  # type: ignore[no-untyped-def]
-    outcome = kvguard.edit_replay(policy="swa", followup="append", model="gemma3-270m")
+    # The quick gate's chat (its first 11 messages) under Gemma 3's own sliding-window cache.
+    outcome = kvguard.edit_replay(
+        policy="swa", followup="append", model="gemma3-270m", chat_messages=11
+    )
     assert outcome.metrics["split"] == outcome.metrics["first_prompt_tokens"]
 
 
@@ -151,14 +155,15 @@ def test_edit_replay_marker(kvguard) -> None:  # type: ignore[no-untyped-def]
 def test_state_bytes_match_the_capacity_prediction(
     kvguard_runner: Runner, model: str, policy: str
 ) -> None:
-    """llama.cpp's state after N tokens against the calculator's f16 prediction, within 0.5%."""
+    """llama.cpp's state after N tokens against the calculator's f16 prediction, within 0.5%
+    (1,500 tokens: past Gemma 3's 1,024-cell sliding cache)."""
     from pytest_kvguard.capacity import predict_kv_bytes
 
     ref = ModelRef(model)
     engine = kvguard_runner.engine("llama_cpp", ref)
     arch = read_arch(ref.resolve())
-    ids = kvguard_runner.token_ids("llama_cpp", ref, pydoc_topics(), 3000)
-    for n in (1000, 3000):
+    ids = kvguard_runner.token_ids("llama_cpp", ref, pydoc_topics(), 1500)
+    for n in (600, 1500):
         cache = engine.open_prefix_cache(make_policy(policy), n)
         try:
             cache.extend(ids[:n], 0)

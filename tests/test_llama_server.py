@@ -4,7 +4,8 @@ it tokenizes as the in-process engine does; its forced generation scores tokens 
 does in process; its context shift is the in-process sink policy's eviction; an existing server
 is reached by URL and refuses a check its settings contradict.
 
-The edit-replay counts beside the in-process engine's are in test_bundled_gate.py.
+The edit-replay counts and the generate scenario beside the in-process engine's are in
+test_scenarios_on_engines.py (and, for both gates, in .ci/run's checks of their reports).
 """
 
 from __future__ import annotations
@@ -60,11 +61,11 @@ def test_forced_generation_scores_every_token_as_llama_cpp_does(
     """The full context: the server's probability of each forced token against the in-process
     engine's logits on the same ids. A 32-token prompt: both prefill it in batches under 64
     tokens (31 + 1 in process, 32 on the server), which llama.cpp computes by the same path."""
-    ids = ids_of(kvguard_runner, 600)
-    nll = smollm2_server.converse(make_policy("full"), ids, [Turn(32, 568)], 512)
+    ids = ids_of(kvguard_runner, 300)
+    nll = smollm2_server.converse(make_policy("full"), ids, [Turn(32, 268)], 512)
     assert np.isnan(nll[:31]).all() and not np.isnan(nll[31:]).any()
     in_process = kvguard_runner.engine("llama_cpp", SMOLLM2).converse(
-        make_policy("full"), ids, [Turn(32, 568)], 512
+        make_policy("full"), ids, [Turn(32, 268)], 512
     )
     diff = np.abs(nll[31:] - in_process[31:])
     assert diff.mean() < 1e-3 and diff.max() < 0.01, (diff.mean(), diff.max())
@@ -75,13 +76,13 @@ def test_context_shift_is_the_sink_policy_evicting_as_asked(
 ) -> None:
     """cap 255 = --ctx-size 256 (the server shifts when one more token would not fit), n_keep 4,
     n_discard 125: the server's shifts and perplexity match the in-process sink policy's."""
-    ids = ids_of(kvguard_runner, 1000)
+    ids = ids_of(kvguard_runner, 640)
     policy = make_policy("sink", cap=255, sinks=4, evict_step=125)
-    turns = [Turn(32, 968)]
+    turns = [Turn(32, 608)]
     nll = smollm2_server.converse(policy, ids, turns, 512)
-    # Full at 255 held, then every 125 tokens: tokens 255, 380, 505, ... are decoded after a
+    # Full at 255 held, then every 125 tokens: tokens 255, 380, 505 and 630 are decoded after a
     # shift (the last token is sampled, never decoded).
-    assert smollm2_server.last_shifts == [(4, 251, 125)] * len(range(255, 999, 125))
+    assert smollm2_server.last_shifts == [(4, 251, 125)] * len(range(255, 639, 125))
     in_process = kvguard_runner.engine("llama_cpp", SMOLLM2).converse(policy, ids, turns, 512)
     past_cap = np.arange(len(nll)) >= 255
     served = math.exp(float(np.nanmean(nll[past_cap])))

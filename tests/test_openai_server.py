@@ -51,8 +51,29 @@ checks:
 """
 
 
-def run_gate(pytester: pytest.Pytester, url: str) -> tuple[pytest.RunResult, dict[str, Any]]:
-    pytester.makefile(".yaml", budgets=CHECKS.format(url=url))
+REAL_CHECKS = """\
+version: 1
+defaults: {{engine: openai, model: "{url}"}}
+checks:
+  - name: openai-edit-end
+    scenario: edit_replay
+    policy: full
+    params: {{chat_messages: 11, followup: edit, message: -3}}
+    budgets: {{min_reused_tokens: 1554}}
+  - name: openai-append
+    scenario: edit_replay
+    policy: full
+    params: {{chat_messages: 11, followup: append}}
+    budgets: {{min_reused_tokens: 1}}
+"""
+"""The real server's checks: the bundled chat's first 11 messages (1,927 tokens), so the
+slot holds them in a 2,048-token context."""
+
+
+def run_gate(
+    pytester: pytest.Pytester, url: str, checks: str = CHECKS
+) -> tuple[pytest.RunResult, dict[str, Any]]:
+    pytester.makefile(".yaml", budgets=checks.format(url=url))
     result = pytester.runpytest("--kvguard", "budgets.yaml", "--kvguard-json", "report.json")
     return result, json.loads((pytester.path / "report.json").read_text())
 
@@ -61,16 +82,17 @@ def run_gate(pytester: pytest.Pytester, url: str) -> tuple[pytest.RunResult, dic
 def test_openai_counts_are_the_servers_usage_and_equal_its_timings(
     pytester: pytest.Pytester, smollm2_server: LlamaServerEngine
 ) -> None:
-    """The bundled chat's last-message edit and an append through /v1/completions, counted
-    from cached_tokens, as the llama_server engine counts them from timings on that server."""
-    http = smollm2_server.serve(ServerSettings(n_ctx=4608))
-    result, report = run_gate(pytester, http.url)
+    """The bundled chat's first 11 messages, an edit near the end and an append, through
+    /v1/completions, counted from cached_tokens, as the llama_server engine counts them from
+    timings on that server."""
+    http = smollm2_server.serve(ServerSettings(n_ctx=2048))
+    result, report = run_gate(pytester, http.url, REAL_CHECKS)
     result.assert_outcomes(passed=2)
     rows = {row["name"]: row for row in report["checks"]}
     assert rows["openai-edit-end"]["engine_info"]["engine"].startswith("llamacpp b")
 
     by_url = load_engine("llama_server", http.url, EngineOptions.from_env())
-    conversation = load_conversation(DEFAULT_CHAT, pytester.path)
+    conversation = load_conversation(DEFAULT_CHAT, pytester.path).first(11)
     try:
         for name, (kind, message) in {"openai-edit-end": ("edit", -3),
                                       "openai-append": ("append", None)}.items():  # fmt: skip
@@ -85,7 +107,7 @@ def test_openai_counts_are_the_servers_usage_and_equal_its_timings(
     finally:
         by_url.close()  # not the engine that started it: the server stays up
     edit = rows["openai-edit-end"]["metrics"]
-    assert (edit["reused_tokens"], edit["reprefill_tokens"]) == (4100, 213)  # as in process
+    assert (edit["reused_tokens"], edit["reprefill_tokens"]) == (1554, 379)  # as in process
 
 
 class StandIn(http.server.BaseHTTPRequestHandler):

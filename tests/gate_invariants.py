@@ -1,0 +1,382 @@
+"""What must hold of a gate run's JSON report, whichever budgets file it ran: the quick gate and
+the full bundled gate, whose reports .ci/run checks (check_gate_report.py), and the test suite's
+short real runs (test_scenarios_on_engines.py).
+
+Each check row is judged against the check it came from: its verdict is the one the file
+expects, and its figures agree with each other and with the check's parameters (counts the
+engines report exactly). Pairs of checks that must agree across engines are matched by name;
+README's quoted tables are compared with the tables the report renders.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pytest_kvguard.outcome import row_from_json
+from pytest_kvguard.report import render_table
+from pytest_kvguard.scenarios.base import Check
+
+ROOT = Path(__file__).resolve().parent.parent
+FULL = ROOT / "fixtures" / "budgets.yaml"
+QUICK = ROOT / "fixtures" / "quick.yaml"
+
+
+def expected_verdict(check: Check[Any]) -> str:
+    return "CAUGHT" if check.expect_violation else "PASS"
+
+
+def assert_row_holds(row: Mapping[str, Any], check: Check[Any]) -> None:
+    """The row's verdict is the expected one and its figures are consistent with the check."""
+    assert row["verdict"] == expected_verdict(check), (row["name"], row.get("violations"),
+                                                       row.get("error"))  # fmt: skip
+    m, spec, detail = row["metrics"], check.spec, row["detail"]
+    if check.scenario == "edit_replay":
+        # The engine may keep no more than the common prefix, and always re-prefills one token.
+        assert m["reused_tokens"] <= min(m["split"], m["prompt_tokens"] - 1)
+        assert m["reused_tokens"] + m["reprefill_tokens"] == m["prompt_tokens"]
+        if spec.policy.kind in ("full", "swa_full") and check.engine != "mlx":
+            # Nothing slides out of these caches: the whole common prefix is reused.
+            assert m["reused_tokens"] == min(m["split"], m["prompt_tokens"] - 1)
+        return
+    if check.scenario == "memory":
+        # Every length reached; a cap holds exactly min(n, cap) entries (the engine's count).
+        samples = detail["samples"]
+        assert [s["tokens"] for s in samples] == list(spec.lengths)
+        if spec.policy.kind in ("sink", "window"):
+            assert [s["held"] for s in samples] == [min(n, spec.policy.cap) for n in spec.lengths]
+        return
+    if check.scenario == "sweep":
+        # One run per sink count and position handling asked for, no more, no fewer.
+        grid = sorted((s["positions"], s["sinks"]) for s in detail["samples"])
+        assert grid == sorted((p, n) for p in spec.positions for n in spec.sinks)
+        # Every run held exactly the cap once past it, and evicted from the same token on.
+        assert {s["kv_entries"] for s in detail["samples"]} == {spec.cap}
+        assert {s["first_eviction"] for s in detail["samples"]} == {spec.cap}
+        return
+    if check.scenario == "recall":
+        assert m["baseline_recalled"] == 1  # the full cache answers: the probe is answerable
+        # Eviction reaches the fact unless every fact token is a pinned sink.
+        evicts = spec.policy.kind != "full"
+        assert m["fact_evicted"] == (evicts and spec.policy.sinks < m["fact_tokens"])
+        return
+    if check.scenario == "generate":
+        # Reply tokens past the cap were scored against both comparison runs (a server has no
+        # decode loop of kvguard's to compare with: its chunk gap is not measured).
+        assert m["scored_tokens"] > 0
+        served = check.engine == "llama_server"
+        assert ("single_token_post_eviction_ppl" in m) != served
+        assert math.isfinite(m["post_eviction_ppl"])
+        return
+    if check.scenario == "parity":
+        assert row["tokens"] == spec.tokens and m["mean_abs_nll_diff"] > 0
+        return
+    if check.scenario == "attention":
+        # Every row read is a probability distribution, for every query asked, on every layer.
+        assert m["max_row_sum_error"] < 1e-3
+        assert detail["queries"] == list(spec.queries)
+        assert len(detail["head_mass_by_k"]) == len(detail["layer_sink_mass"]) > 0
+        by_k = detail["sink_mass_by_k"]  # mass on the first k tokens grows with k
+        assert all(a <= b + 1e-6 for a, b in zip(by_k, by_k[1:], strict=False))
+        return
+    if check.scenario == "attention_parity":
+        assert 0 < m["mean_sink_mass_diff_pct"] <= m["sink_mass_diff_pct"]
+        return
+    assert check.scenario == "stream", check.scenario
+    if row["violations"] and spec.policy.kind in ("sink", "window"):
+        # A red sink or window check names the heads that park attention on the first tokens.
+        explanation = row["explanation"]
+        assert explanation is not None
+        assert explanation["sinks_kept"] == spec.policy.sinks
+        assert explanation["sink_heads"]
+    cap = spec.policy.cap
+    assert cap is not None
+    if spec.policy.kind in ("sink", "window"):
+        assert m["first_eviction"] == cap  # token `cap` is the first that does not fit
+        assert m["kv_entries"] == cap
+        assert m["evicted"] == spec.tokens - cap
+        # A chunked run is compared with the same policy fed one token at a time.
+        assert ("chunk_gap_pct" in m) == (spec.policy.chunk > 1)
+        # Before the first eviction every policy holds the same tokens: only batching differs.
+        assert m["pre_eviction_ppl"] == pytest.approx(m["baseline_pre_eviction_ppl"], rel=2e-3)
+    elif spec.policy.kind == "engine_default":
+        # The finding: the cap was asked for and not applied (some layers keep every token).
+        assert m["kv_entries"] == spec.tokens > cap
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """Two checks of one file whose figures must agree (the same chat, ids and policy through
+    two engines); ``why`` says what is compared."""
+
+    first: str
+    second: str
+    why: str
+
+
+SERVED_AND_IN_PROCESS = (
+    ("smollm2-server-full-edit-start", "smollm2-full-edit-start"),
+    ("smollm2-server-full-edit-end", "smollm2-full-edit-end"),
+    ("gemma3-server-swa-edit-end", "gemma3-swa-edit-end"),
+    ("gemma3-server-swa-append", "gemma3-swa-append"),
+    ("gemma3-server-swafull-edit-middle", "gemma3-swafull-edit-middle"),
+)
+"""The same chat, follow-up and token ids: llama-server's own cache_n and prompt_n are the
+in-process engine's reused and re-prefilled counts, token for token."""
+
+
+def assert_served_counts_equal(rows: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Every served edit-replay check beside its in-process twin, where both ran; the pairs
+    compared."""
+    compared = []
+    keys = ("prompt_tokens", "split", "reused_tokens", "reprefill_tokens")
+    for served, in_process in SERVED_AND_IN_PROCESS:
+        if served in rows and in_process in rows:
+            a, b = rows[served]["metrics"], rows[in_process]["metrics"]
+            assert {k: a[k] for k in keys} == {k: b[k] for k in keys}, (served, in_process)
+            compared.append(served)
+    return compared
+
+
+def assert_server_checkpoints_differ(rows: Mapping[str, Mapping[str, Any]]) -> None:
+    """The one count that differs: llama-server checkpoints only near a prompt's end, so the
+    middle edit starts over where the in-process engine restores a checkpoint."""
+    server = rows["gemma3-server-ckpt-edit-middle"]["metrics"]
+    in_process = rows["gemma3-ckpt-edit-middle"]["metrics"]
+    assert server["reused_tokens"] == 0 < in_process["reused_tokens"]
+    assert server["reprefill_tokens"] == server["prompt_tokens"]
+
+
+def assert_context_shift_is_the_sink_policy(rows: Mapping[str, Mapping[str, Any]]) -> None:
+    """One prompt, then a long forced generation, shifted by the server (n_keep 4, one token at
+    a time) and by the in-process engine: the same perplexity, up to float rounding."""
+    server = rows["smollm2-server-generate-sink4"]["metrics"]
+    in_process = rows["smollm2-generate-sink4-onecall"]["metrics"]
+    assert server["scored_tokens"] == in_process["scored_tokens"]
+    assert server["post_eviction_ppl"] == pytest.approx(in_process["post_eviction_ppl"], rel=1e-3)
+
+
+def assert_served_sweep_keeps_each_sink_count(rows: Mapping[str, Mapping[str, Any]]) -> None:
+    """Each sink count of the served sweep is one request whose every shift the server logged
+    with n_keep = that count (SmolLM2 adds no BOS); the runs the generate checks made at 0 and
+    4 sinks are the sweep's own (the same figures, shared, 0 s of their own)."""
+    sweep = rows["smollm2-server-sweep"]
+    sink4 = rows["smollm2-server-generate-sink4"]["metrics"]
+    window = rows["smollm2-server-generate-window"]["metrics"]
+    by_sinks = {row["sinks"]: row for row in sweep["detail"]["samples"]}
+    assert {0, 4} <= set(by_sinks)
+    for sinks, row in by_sinks.items():
+        assert row["sinks_kept"] == sinks
+        assert row["kv_entries"] == row["first_eviction"] == 255  # cap: --ctx-size 256
+        assert row["context_shifts"] == sink4["context_shifts"] > 0
+    shared = [policy for policy, seconds in sweep["seconds"].items() if seconds == 0.0]
+    assert sorted(shared) == ["baseline", "sink4/255 reidx step1", "window/255 reidx step1"]
+    assert by_sinks[4]["post_eviction_ppl"] == sink4["post_eviction_ppl"]
+    assert by_sinks[0]["post_eviction_ppl"] == window["post_eviction_ppl"]
+    assert all(row["post_eviction_ppl"] < by_sinks[0]["post_eviction_ppl"]
+               for sinks, row in by_sinks.items() if sinks)  # fmt: skip
+
+
+AGREEMENTS = {
+    "served sink sweep": (assert_served_sweep_keeps_each_sink_count, (
+        "smollm2-server-sweep", "smollm2-server-generate-sink4",
+        "smollm2-server-generate-window")),
+    "server checkpoints": (assert_server_checkpoints_differ, (
+        "gemma3-server-ckpt-edit-middle", "gemma3-ckpt-edit-middle")),
+    "server context shift": (assert_context_shift_is_the_sink_policy, (
+        "smollm2-server-generate-sink4", "smollm2-generate-sink4-onecall")),
+}  # fmt: skip
+"""Agreements between checks of one report, each with the checks it needs."""
+
+
+def assert_agreements(rows: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Every agreement whose checks are all in ``rows`` (served edit-replay counts pair by
+    pair); the names of those that applied."""
+    applied = [f"served counts: {name}" for name in assert_served_counts_equal(rows)]
+    for name, (agreement, needs) in AGREEMENTS.items():
+        if all(check in rows for check in needs):
+            agreement(rows)
+            applied.append(name)
+    return applied
+
+
+# README's quoted gate output.
+
+TAG = re.compile(
+    r"<!-- kvguard-output: (?P<file>\S+?)(?:; measured on: (?P<where>[^>]*?))? -->\n"
+    r"```\n(?P<block>.*?)\n```",
+    re.S,
+)
+"""A README block of gate output, tagged with the budgets file that printed it and the machine
+it printed on (``measured_on``)."""
+NOT_COMPARED = {"replay s", "peak"}
+"""Columns README quotes but no run repeats exactly: wall-clock seconds, and peak memory, which
+is process-wide (mlx's allocator peak moves with what the process ran before; see README,
+Determinism)."""
+EXACT = {"check", "model", "policy", "tokens", "baseline", "follow-up", "prompt", "split",
+         "reused", "re-prefilled", "held", "positions", "turns", "scored", "fact evicted",
+         "verdict"}  # fmt: skip
+"""Columns that do not depend on the machine (token counts, settings, verdicts): compared on
+every machine. The rest (perplexities, NLL, bytes, attention mass, engine versions) only where
+the run is on the machine and engine versions README quotes."""
+NUMBER = re.compile(r"[+-]?\d[\d,]*(?:\.\d+)?")
+
+
+def measured_on(machine: Mapping[str, Any]) -> str:
+    """How a README tag names the machine a report was made on."""
+    return f"{machine['cpu']}, {machine['machine']}, Python {machine['python']}"
+
+
+@dataclass(frozen=True)
+class QuotedTable:
+    """One table of a README block: its header and its rows, as cells by column name."""
+
+    headers: list[str]
+    rows: list[dict[str, str]]
+
+
+def split_tables(block: str) -> list[QuotedTable | str]:
+    """The tables of a block printed by tabulate's ``simple`` format (header, dashes, rows;
+    tables separated by blank lines), cut into columns where the dashes line has its gaps.
+    A chunk that is not such a table is returned as its text."""
+    tables: list[QuotedTable | str] = []
+    for chunk in re.split(r"\n\s*\n", block.strip("\n")):
+        lines = chunk.splitlines()
+        if len(lines) < 3 or not lines[1].strip() or not set(lines[1]) <= {"-", " "}:
+            tables.append(chunk)
+            continue
+        spans = [m.span() for m in re.finditer(r"-+", lines[1])]
+
+        def cells(line: str, spans: list[tuple[int, int]] = spans) -> list[str]:
+            bounds = [start for start, _ in spans[1:]] + [None]
+            return [line[s:e].strip() for (s, _), e in zip(spans, bounds, strict=True)]
+
+        headers = cells(lines[0])
+        tables.append(QuotedTable(headers, [dict(zip(headers, cells(ln), strict=True))
+                                            for ln in lines[2:]]))  # fmt: skip
+    return tables
+
+
+def quoted_blocks(readme: str, budgets_file: str) -> list[tuple[str, str | None]]:
+    """README's blocks of output printed by a run of ``budgets_file`` (a path as written),
+    each with the machine its tag names (None where it names none)."""
+    return [(m.group("block"), m.group("where")) for m in TAG.finditer(readme)
+            if m.group("file") == budgets_file]  # fmt: skip
+
+
+def same_cell(quoted: str, rendered: str) -> bool:
+    """Equal text, or the same text around the same numbers, where a number printed with
+    decimals may differ by one unit of its last digit (a figure that rounds the other way
+    between runs). Whole numbers (token counts, cells) must be equal."""
+    if quoted == rendered:
+        return True
+    a, b = NUMBER.findall(quoted), NUMBER.findall(rendered)
+    if NUMBER.sub("#", quoted) != NUMBER.sub("#", rendered) or len(a) != len(b):
+        return False
+    for x, y in zip(a, b, strict=True):
+        decimals = len(x.partition(".")[2])
+        if decimals != len(y.partition(".")[2]):
+            return False
+        unit = 10.0**-decimals if decimals else 0.0
+        if abs(float(x.replace(",", "")) - float(y.replace(",", ""))) > unit * 1.0001:
+            return False
+    return True
+
+
+def readme_drift(
+    readme: str,
+    budgets_file: str,
+    report_rows: Iterable[Mapping[str, Any]],
+    machine: Mapping[str, Any],
+) -> tuple[int, list[str], bool]:
+    """Compare every README table quoted from ``budgets_file`` with the same checks' rows
+    rendered from a report made on ``machine``: every cell where the report comes from the
+    machine and engine versions README quotes, the ``EXACT`` columns elsewhere. Returns the
+    number of cells compared, each difference, and whether every cell could be compared."""
+    by_name = {row["name"]: row for row in report_rows}
+    compared, drift, everything = 0, [], True
+    blocks = quoted_blocks(readme, budgets_file)
+    if not blocks:
+        return (
+            0,
+            [
+                f"README quotes no output of {budgets_file} "
+                f"(<!-- kvguard-output: {budgets_file}; measured on: ... -->)"
+            ],  # fmt: skip
+            True,
+        )
+    for block, where in blocks:
+        here = where == measured_on(machine)
+        for table in split_tables(block):
+            if isinstance(table, str):
+                drift.append(f"README block of {budgets_file} has a part that is not a table: "
+                             f"{table.splitlines()[0][:60]!r}")  # fmt: skip
+                continue
+            names = [r["check"] for r in table.rows if r.get("check")]
+            missing = [n for n in names if n not in by_name]
+            if missing:
+                drift.append(f"README quotes checks the report lacks: {', '.join(missing)}")
+                continue
+            errors = [n for n in names if by_name[n]["verdict"] == "ERROR"]
+            if errors:
+                drift.append(
+                    f"README quotes checks that errored in the report: {', '.join(errors)}"
+                )
+                continue
+            rendered_block = render_table([row_from_json(by_name[n]) for n in names])
+            rendered = next((t for t in split_tables(rendered_block) if isinstance(t, QuotedTable)
+                             and t.headers[:4] == table.headers[:4]), None)  # fmt: skip
+            if rendered is None or len(rendered.rows) != len(table.rows):
+                drift.append(f"README table of {', '.join(names)}: its shape differs from the "
+                             "table the report renders")  # fmt: skip
+                continue
+            same_engines = all(q.get("engine", "") == r.get("engine", "")
+                               for q, r in zip(table.rows, rendered.rows, strict=True))  # fmt: skip
+            every_cell = here and same_engines
+            everything = everything and every_cell
+            check = ""
+            for quoted_row, rendered_row in zip(table.rows, rendered.rows, strict=True):
+                check = quoted_row.get("check") or check
+                for column, cell in quoted_row.items():
+                    if column in NOT_COMPARED or not (every_cell or column in EXACT):
+                        continue
+                    if column not in rendered_row:
+                        drift.append(f"{check}: README has a column '{column}' the table lacks")
+                        continue
+                    compared += 1
+                    if not same_cell(cell, rendered_row[column]):
+                        drift.append(f"{check} {column}: README {cell!r}, measured "
+                                     f"{rendered_row[column]!r}")  # fmt: skip
+    return compared, drift, everything
+
+
+def quotable_output(rows: Iterable[Mapping[str, Any]], drop: tuple[str, ...] = ("budget",)) -> str:
+    """The tables a gate run prints for these report rows, without the ``drop`` columns: what
+    README quotes under a ``<!-- kvguard-output: FILE -->`` tag."""
+    from tabulate import tabulate
+
+    rendered = render_table([row_from_json(row) for row in rows])
+    parts = []
+    for table in split_tables(rendered):
+        assert isinstance(table, QuotedTable), table
+        headers = [h for h in table.headers if h not in drop]
+        lines = [[row[h] for h in headers] for row in table.rows]
+        parts.append(tabulate(lines, headers=headers, disable_numparse=True))
+    return "\n\n".join(parts)
+
+
+if __name__ == "__main__":
+    # python tests/gate_invariants.py REPORT [CHECK ...]: the tables to quote in README.
+    import json
+    import sys
+
+    report = json.loads(Path(sys.argv[1]).read_text(encoding="utf-8"))
+    wanted = sys.argv[2:]
+    print(f"measured on: {measured_on(report['machine'])}")
+    print(quotable_output([r for r in report["checks"] if not wanted or r["name"] in wanted]))
