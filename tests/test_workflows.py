@@ -107,10 +107,36 @@ def test_action_uploads_the_report_and_caches_per_build_flags() -> None:
     steps = _load(ACTION)["runs"]["steps"]
     upload = next(s for s in steps if s.get("uses", "").startswith("actions/upload-artifact"))
     assert upload["if"] == "always()" and "${{ inputs.report }}" in upload["with"]["path"]
-    cache = next(s for s in steps if s.get("uses", "").startswith("actions/cache"))
-    assert "inputs.cmake-args" in cache["with"]["key"]
+    restore = next(s for s in steps if s.get("uses", "").startswith("actions/cache/restore"))
+    save = next(s for s in steps if s.get("uses", "").startswith("actions/cache/save"))
+    assert "inputs.cmake-args" in restore["with"]["key"]
+    # Saved under the installed packages' hash, and only when the restored cache is not that.
+    assert save["with"]["key"].endswith("-${{ steps.install.outputs.installed }}")
+    assert save["if"].startswith(f"steps.{restore['id']}.outputs.cache-matched-key != format(")
     gate = next(s for s in steps if s.get("name") == "Run the gate")
     assert "--kvguard-json" in gate["run"] and "--junitxml" in gate["run"]
+
+
+def test_the_install_steps_outputs_survive_an_install_without_llama(tmp_path: Path) -> None:
+    """extras without llama (the served workflow's): pip show fails, and the step, under the
+    bash -eo pipefail GitHub runs it with, still writes llama-cpp-python=none."""
+    install = next(s for s in _load(ACTION)["runs"]["steps"] if s.get("id") == "install")
+    lines = [line for line in install["run"].splitlines()
+             if line.startswith(("version=", "echo "))]  # fmt: skip
+    pip = tmp_path / ".kvguard-venv" / "bin" / "pip"
+    pip.parent.mkdir(parents=True)
+    # A pip without llama-cpp-python: `show` fails as pip's does, `freeze` lists one package.
+    pip.write_text('#!/bin/sh\n[ "$1" = show ] && exit 1\necho pyyaml==6.0\n')
+    pip.chmod(0o755)
+    output = tmp_path / "github-output"
+    done = subprocess.run(
+        ["bash", "-eo", "pipefail", "-c", "\n".join(lines)], cwd=tmp_path,
+        env={"GITHUB_OUTPUT": str(output), "PATH": "/usr/bin:/bin"},
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    written = dict(line.split("=", 1) for line in output.read_text().splitlines())
+    assert written["llama-cpp-python"] == "none" and len(written["installed"]) == 16
 
 
 def test_the_served_workflow_starts_vllm_and_gates_it_through_engine_openai() -> None:
