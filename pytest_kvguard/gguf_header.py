@@ -66,6 +66,9 @@ class GgufHeader:
         return data[tensor.offset : tensor.offset + _data_bytes(tensor)]
 
 
+TRUNCATED = "the header runs past the end of the file (truncated?)"
+
+
 class _Cursor:
     """Little-endian reads from a buffer, advancing an offset."""
 
@@ -73,14 +76,14 @@ class _Cursor:
         self.buffer, self.at = buffer, 0
 
     def unpack(self, fmt: str) -> Any:
-        (value,) = struct.unpack_from(fmt, self.buffer, self.at)
-        self.at += struct.calcsize(fmt)
+        self.skip(struct.calcsize(fmt))
+        (value,) = struct.unpack_from(fmt, self.buffer, self.at - struct.calcsize(fmt))
         return value
 
     def skip(self, length: int) -> None:
         self.at += length
         if self.at > len(self.buffer):
-            raise ValueError("the header runs past the end of the file (truncated?)")
+            raise ValueError(TRUNCATED)
 
     def string(self) -> str:
         length = self.unpack("<Q")
@@ -99,8 +102,10 @@ class _Cursor:
             raise ValueError(f"key {key} nests arrays more than 4 deep")
         item_kind, count = self.unpack("<I"), self.unpack("<Q")
         if item_kind == STRING:
-            for _ in range(count):  # step over each length-prefixed string
-                self.skip(8 + struct.unpack_from("<Q", self.buffer, self.at)[0])
+            length = struct.Struct("<Q")
+            for _ in range(count):  # step over each length-prefixed string (bounds first)
+                self.skip(8)
+                self.skip(length.unpack_from(self.buffer, self.at - 8)[0])
             return SkippedStrings(count)
         if item_kind == ARRAY:
             return [self.value(ARRAY, key, depth + 1) for _ in range(count)]

@@ -73,7 +73,7 @@ def test_the_header_is_what_the_gguf_package_reads(tmp_path: Path, alignment: in
     [
         (b"not a gguf at all", "not the GGUF magic"),
         (b"GGUF\x01\x00\x00\x00", "GGUF version 1 (kvguard reads versions 2 and 3)"),
-        (b"GGUF\x03\x00\x00\x00\x01", "unpack_from requires a buffer"),
+        (b"GGUF\x03\x00\x00\x00\x01", "the header runs past the end of the file"),
     ],
     ids=["magic", "version", "truncated"],
 )
