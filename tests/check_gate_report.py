@@ -52,7 +52,14 @@ def report(pytestconfig: pytest.Config) -> dict[str, Any]:
 def budgets(report: dict[str, Any]) -> BudgetsFile:
     """The budgets file the report names, relative to the repository root where it is."""
     path = Path(report["budgets_file"])
-    return load_budgets_file(path if path.is_absolute() else ROOT / path)
+    path = (path if path.is_absolute() else ROOT / path).resolve()
+    if not path.is_relative_to(ROOT.resolve()):
+        pytest.fail(
+            f"the report is of {path}, outside this repository: README quotes and this check "
+            "knows only the repository's budgets files",
+            pytrace=False,
+        )
+    return load_budgets_file(path)
 
 
 @pytest.fixture(scope="module")

@@ -213,6 +213,7 @@ def test_build_command_refuses_a_cached_binary_that_does_not_run(
     assert llama_server_build.main(["--dest", str(tmp_path / "bin")]) == 1
     out, err = capsys.readouterr()
     assert out == "" and "--version exited 132: illegal instruction (fix: rebuild it" in err
+    assert not (tmp_path / "bin").exists()  # nothing installed where engine llama_server looks
 
 
 def test_build_flags_pin_x86_64_where_none_are_set(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -61,8 +61,8 @@ def seconds_from_env(var: str, default: float) -> float:
 
 
 def find_binary() -> Path:
-    """The llama-server to start: $KVGUARD_LLAMA_SERVER, the one `.ci/install` puts next to the
-    virtual environment's Python, or one on PATH."""
+    """The llama-server to start: $KVGUARD_LLAMA_SERVER, the one kvguard-build-llama-server
+    installs next to the environment's Python, or one on PATH."""
     raw = os.environ.get(BINARY_ENV)
     if raw:
         path = Path(raw)
