@@ -193,6 +193,13 @@ AGREEMENTS = {
         "smollm2-server-generate-sink4", "smollm2-generate-sink4-onecall")),
 }  # fmt: skip
 """Agreements between checks of one report, each with the checks it needs."""
+SERVED_AGREEMENTS = [
+    "served counts: smollm2-server-full-edit-end",
+    "served sink sweep",
+    "server context shift",
+]
+"""The agreements a file with one served edit-replay, generate and sweep applies (the quick
+gate's, and the test suite's engine_checks.yaml)."""
 
 
 def assert_agreements(rows: Mapping[str, Mapping[str, Any]]) -> list[str]:

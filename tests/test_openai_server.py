@@ -34,40 +34,30 @@ from pytest_kvguard.scenarios.edit_replay import (
 
 SMOLLM2 = ModelRef("smollm2-135m")
 
-CHECKS = """\
+
+def openai_checks(min_reused_after_edit: int, chat_messages: int | None = None) -> str:
+    """Edit #-3 and append through engine openai at {url}, on the whole bundled chat or on its
+    first ``chat_messages`` (the real server's slot holds 11 of them, 1,927 tokens, in 2,048)."""
+    chat = f"chat_messages: {chat_messages}, " if chat_messages is not None else ""
+    return f"""\
 version: 1
-defaults: {{engine: openai, model: "{url}"}}
+defaults: {{{{engine: openai, model: "{{url}}"}}}}
 checks:
   - name: openai-edit-end
     scenario: edit_replay
     policy: full
-    params: {{followup: edit, message: -3}}
-    budgets: {{min_reused_tokens: 4100}}
+    params: {{{{{chat}followup: edit, message: -3}}}}
+    budgets: {{{{min_reused_tokens: {min_reused_after_edit}}}}}
   - name: openai-append
     scenario: edit_replay
     policy: full
-    params: {{followup: append}}
-    budgets: {{min_reused_tokens: 1}}
+    params: {{{{{chat}followup: append}}}}
+    budgets: {{{{min_reused_tokens: 1}}}}
 """
 
 
-REAL_CHECKS = """\
-version: 1
-defaults: {{engine: openai, model: "{url}"}}
-checks:
-  - name: openai-edit-end
-    scenario: edit_replay
-    policy: full
-    params: {{chat_messages: 11, followup: edit, message: -3}}
-    budgets: {{min_reused_tokens: 1554}}
-  - name: openai-append
-    scenario: edit_replay
-    policy: full
-    params: {{chat_messages: 11, followup: append}}
-    budgets: {{min_reused_tokens: 1}}
-"""
-"""The real server's checks: the bundled chat's first 11 messages (1,927 tokens), so the
-slot holds them in a 2,048-token context."""
+CHECKS = openai_checks(4100)
+REAL_CHECKS = openai_checks(1554, chat_messages=11)
 
 
 def run_gate(

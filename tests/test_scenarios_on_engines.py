@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gate_invariants import assert_agreements, assert_row_holds
+from gate_invariants import SERVED_AGREEMENTS, assert_agreements, assert_row_holds
 
 from pytest_kvguard.budgets_file import load_budgets_file
 from pytest_kvguard.environments import Environments
@@ -59,6 +59,4 @@ def test_llama_server_agrees_with_the_in_process_engine(pytestconfig: pytest.Con
     forced generation past the cap: its context shift scores as the in-process sink policy;
     its sweep's runs are the generate checks' own, kept with the sinks asked for."""
     rows = {name: row_of(pytestconfig, name) for name in CHECKS}
-    assert assert_agreements(rows) == [
-        "served counts: smollm2-server-full-edit-end", "served sink sweep",
-        "server context shift"]  # fmt: skip
+    assert assert_agreements(rows) == SERVED_AGREEMENTS
