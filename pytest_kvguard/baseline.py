@@ -17,30 +17,20 @@ from typing import Any
 
 from tabulate import tabulate
 
-from pytest_kvguard.budgets import unknown_key_error
+from pytest_kvguard.budgets import Budgets, unknown_key_error
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.outcome import Outcome, Row
 from pytest_kvguard.report import READABLE_SCHEMAS
+from pytest_kvguard.scenarios import SCENARIOS
 from pytest_kvguard.units import format_change, format_figure
 
-HIGHER_IS_BETTER = frozenset({"reused_tokens"})
-"""Figures that regress by falling; every other compared figure regresses by rising."""
+_GATED = Budgets.gated_metrics(Budgets.names())
 
-COMPARABLE_METRICS = frozenset(
-    {
-        # stream
-        "post_eviction_ppl", "ppl_increase_pct", "kv_entries", "kv_bytes", "peak_memory_bytes",
-        "kv_growth_after_cap_bytes",
-        # stream and generate fed in chunks
-        "chunk_gap_pct",
-        # parity
-        "mean_abs_nll_diff", "ppl_diff_pct",
-        # edit_replay
-        "reprefill_tokens", "reused_tokens", "memory_bytes",
-        # memory
-        "kv_deviation_pct", "kv_bytes_per_token",
-    }
-)  # fmt: skip
+COMPARABLE_METRICS = frozenset(_GATED)
+"""Figures a baseline tolerance can name: every figure a budget gates on."""
+
+HIGHER_IS_BETTER = frozenset(metric for metric, higher in _GATED.items() if higher)
+"""Figures that regress by falling (a ``min_`` budget's); every other one by rising."""
 
 DEFAULT_TOLERANCES = {
     "post_eviction_ppl": "2%",
@@ -264,7 +254,8 @@ def render_preview(rows: Sequence[Row], fmt: str = "simple") -> str:
             lines.append([row.name, "-", "(run failed)", "", "", row.verdict])
             continue
         old, new = other["metrics"], row.metrics
-        changed = [m for m in sorted(COMPARABLE_METRICS) if m in old and m in new
+        compared = SCENARIOS[row.scenario].comparable_metrics
+        changed = [m for m in sorted(compared) if m in old and m in new
                    and old[m] != new[m]]  # fmt: skip
         for i, metric in enumerate(changed or ["(no compared figure changed)"]):
             cells = (

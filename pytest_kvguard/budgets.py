@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import difflib
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -300,6 +300,13 @@ class Budgets:
     def names(cls) -> list[str]:
         """Every budget's name, in declaration order."""
         return [f.name for f in fields(cls)]
+
+    @classmethod
+    def gated_metrics(cls, names: Iterable[str]) -> dict[str, bool]:
+        """The metric each named budget gates on, and whether it is better higher (a ``min``
+        bound): the figures a baseline compares and the direction they regress in."""
+        by_name = {f.name: f.metadata for f in fields(cls)}
+        return {by_name[n]["metric"]: by_name[n]["bound"] == "min" for n in names}
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any]) -> Budgets:

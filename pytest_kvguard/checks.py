@@ -17,7 +17,7 @@ from pytest_kvguard.budgets import Budgets, unknown_key_error
 from pytest_kvguard.engines import ENGINES, engine_info, require_installed
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.models import parse_model
-from pytest_kvguard.scenarios import SCENARIOS, all_param_names
+from pytest_kvguard.scenarios import DEFAULT_SCENARIO, SCENARIOS, all_param_names
 from pytest_kvguard.scenarios.base import Check, Fields
 
 CHECK_KEYS = [
@@ -120,7 +120,7 @@ def _build(
         return value
 
     name = required("name")
-    kind = text("scenario", "stream")
+    kind = text("scenario", DEFAULT_SCENARIO)
     assert kind is not None
     if kind not in SCENARIOS:
         raise unknown_key_error("scenario", kind, list(SCENARIOS)).keyed("scenario")
@@ -140,11 +140,10 @@ def _build(
                         else ""
                     ),
                 )
-        if model.form == "url" and kind != "edit_replay":
-            # generate restarts the server with another context for its baseline, and the
-            # other scenarios need logits or cache access the HTTP API does not give.
+        if model.form == "url" and not scenario.serves_running_server:
+            served = " and ".join(n for n, s in SCENARIOS.items() if s.serves_running_server)
             raise KvguardError(
-                f"a running server (model: {model.name}) can serve edit_replay checks only",
+                f"a running server (model: {model.name}) can serve {served} checks only",
                 fix="give the model file instead, so kvguard starts the server for this check",
             )
     except KvguardError as exc:

@@ -55,8 +55,8 @@ class Outcome:
     """With --kvguard-against: the other run (python, engine_version, verdict, metrics,
     violations), or its error; None without an upgrade preview."""
     explanation: dict[str, Any] | None = None
-    """A stream or sweep check that broke a budget: the engine's sink heads on this model and
-    the sinks the policy kept (``scenarios.attention.explain_sinks``); else None."""
+    """A check that broke a budget: why, as its scenario's ``explain`` read it from the engine
+    (for a window or sink policy: the sink heads it starves); else None."""
 
     @property
     def verdict(self) -> str:

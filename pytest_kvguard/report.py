@@ -164,7 +164,8 @@ _DETAIL_TYPES = {
 
 def report_schema() -> dict[str, Any]:
     """The JSON report's complete schema: the frame in ``data/report.schema.json``, each
-    registered scenario's name, and its detail's schema derived from the detail dataclass."""
+    registered scenario's name, its detail's schema derived from the detail dataclass, and
+    its explanation's (``Scenario.explanation_schema``)."""
     schema: dict[str, Any] = json.loads(
         resources.files("pytest_kvguard").joinpath("data/report.schema.json").read_text("utf-8")
     )
@@ -186,8 +187,15 @@ def report_schema() -> dict[str, Any]:
     outcome["allOf"] = [
         {
             "if": {"properties": {"scenario": {"const": name}}},
-            "then": {"properties": {"detail": {"$ref": f"#/$defs/details/{name}"}}},
+            "then": {
+                "properties": {
+                    "detail": {"$ref": f"#/$defs/details/{name}"},
+                    "explanation": {"oneOf": [{"type": "null"}, scenario.explanation_schema]}
+                    if scenario.explanation_schema
+                    else {"type": "null"},
+                }
+            },
         }
-        for name in SCENARIOS
+        for name, scenario in SCENARIOS.items()
     ]
     return schema

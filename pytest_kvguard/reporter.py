@@ -14,9 +14,10 @@ from typing import Any
 import pytest
 
 from pytest_kvguard.baseline import render_preview
-from pytest_kvguard.outcome import CheckError, Row, row_from_json
-from pytest_kvguard.plot import plot_path, write_kv_plot, write_sink_heads_plot, write_sweep_plot
+from pytest_kvguard.outcome import CheckError, Outcome, Row, row_from_json
+from pytest_kvguard.plot import write_plots
 from pytest_kvguard.report import build_report, machine, render_table, step_summary, write_json
+from pytest_kvguard.scenarios import SCENARIOS
 from pytest_kvguard.session import BASELINE_KEY, BUDGETS_KEY, PROPERTY
 
 
@@ -82,14 +83,7 @@ class KvguardReporter:
         try:
             write_json(self.json_path, report)
             if self.plot:
-                for kind, write in (
-                    ("kv-bytes", write_kv_plot),
-                    ("sink-sweep", write_sweep_plot),
-                    ("sink-heads", write_sink_heads_plot),
-                ):
-                    target = plot_path(self.json_path, kind)
-                    if write(rows, target):
-                        self.plot_paths.append(target)
+                self.plot_paths = write_plots(rows, self.json_path)
         except OSError as exc:
             self.json_error = f"cannot write {exc.filename or self.json_path}: {exc.strerror}"
             session.exitstatus = pytest.ExitCode.INTERNAL_ERROR
@@ -135,11 +129,10 @@ class KvguardReporter:
             preview = render_preview(rows)
             if preview:
                 terminalreporter.write_line(preview)
-            if any(row.scenario == "stream" for row in rows):
-                terminalreporter.write_line(
-                    "ppl = perplexity over the tokens fed after the first eviction; "
-                    "delta = candidate vs baseline on the same token ids."
-                )
+            ran = {row.scenario for row in rows if isinstance(row, Outcome)}
+            for name, scenario in SCENARIOS.items():
+                if name in ran and scenario.footnote:
+                    terminalreporter.write_line(scenario.footnote)
         lost = [r.name for r in rows if isinstance(r, CheckError) and r.lost]
         if lost:
             terminalreporter.write_line(
@@ -160,4 +153,4 @@ class KvguardReporter:
             for target in self.plot_paths:
                 terminalreporter.write_line(f"kvguard: plot written to {target}")
             if self.plot and not self.plot_paths:
-                terminalreporter.write_line("kvguard: no plot (no memory, stream or sweep figures)")
+                terminalreporter.write_line("kvguard: no plot (no check drew a panel)")

@@ -18,7 +18,6 @@ from pytest_kvguard.models import ModelRef, file_sha256, read_arch
 from pytest_kvguard.outcome import Outcome
 from pytest_kvguard.policies import Policy
 from pytest_kvguard.scenarios import SCENARIOS
-from pytest_kvguard.scenarios.attention import explain_sinks
 from pytest_kvguard.scenarios.base import Check, LaterRequest, RunRequest, TextFeed
 from pytest_kvguard.scenarios.feeding import Progress, RunSpec, StreamRun, run_specs
 from pytest_kvguard.texts import Text
@@ -123,7 +122,7 @@ class Runner:
 
     @staticmethod
     def _run_key(request: RunRequest) -> tuple[Any, ...]:
-        return ("stream", request.engine, request.model.resolve(), request.feed.key,
+        return ("run", request.engine, request.model.resolve(), request.feed.key,
                 request.policy, request.lengths, request.score_from)  # fmt: skip
 
     def ids(self, request: RunRequest) -> list[int]:
@@ -239,15 +238,15 @@ class Runner:
 def run_check(runner: Runner, check: Check[Any]) -> Outcome:
     """Run a check's scenario and judge its budgets. Engine, version and build facts come from
     the engines the check names; a finding of the scenario is a violation whatever the budgets."""
-    measured = SCENARIOS[check.scenario].run(runner, check)
+    scenario = SCENARIOS[check.scenario]
+    measured = scenario.run(runner, check)
     violations = [*measured.findings, *(v.message for v in check.budgets.check(measured.metrics))]
     explanation = None
-    kept = _sinks_kept(check)
-    if violations and kept is not None:
+    if violations:
         try:
-            explanation = explain_sinks(runner, check, kept)
+            explanation = scenario.explain(runner, check)
         except Exception as exc:  # the red verdict stands whatever the explanation does
-            runner.say(f"{check.name}: sink heads not read ({type(exc).__name__}: {exc})")
+            runner.say(f"{check.name}: not explained ({type(exc).__name__}: {exc})")
     loaded = [runner.engine(name, check.model) for name in check.engines]
     path = check.model.resolve()
     is_gguf = path.is_file()
@@ -281,13 +280,3 @@ def run_check(runner: Runner, check: Check[Any]) -> Outcome:
         detail=measured.detail,
         explanation=explanation,
     )
-
-
-def _sinks_kept(check: Check[Any]) -> int | None:
-    """The first tokens a stream check's window or sink policy keeps, a sweep's fewest (a
-    window: 0); None for other checks and policies (nothing to explain by sinks)."""
-    if check.scenario == "sweep":
-        return int(min(check.spec.sinks))
-    if check.scenario == "stream" and check.spec.policy.kind in ("window", "sink"):
-        return int(check.spec.policy.sinks)
-    return None

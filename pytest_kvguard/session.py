@@ -25,7 +25,7 @@ from pytest_kvguard.environments import Environments
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.outcome import CheckError, Outcome
 from pytest_kvguard.runner import Runner
-from pytest_kvguard.scenarios.attention import text_heatmap
+from pytest_kvguard.scenarios import SCENARIOS
 from pytest_kvguard.scenarios.base import Check
 from pytest_kvguard.workers import WorkerPool, failure_text
 
@@ -150,11 +150,8 @@ def record(item: pytest.Item, outcome: Outcome) -> None:
     item.stash.setdefault(OUTCOMES_KEY, []).append(outcome)
     figures = "\n".join(f"{k}: {v:.4f}" for k, v in sorted(outcome.metrics.items()))
     item.add_report_section("call", "kvguard", f"{outcome.name} [{outcome.verdict}]\n{figures}")
-    if outcome.explanation is not None:
-        heatmap = "\n".join(text_heatmap(outcome.explanation["head_sink_mass"]))
-        item.add_report_section(
-            "call", "kvguard sink heads", f"{outcome.explanation['summary']}\n{heatmap}"
-        )
+    for title, text in SCENARIOS[outcome.scenario].report_sections(outcome):
+        item.add_report_section("call", title, text)
 
 
 def record_error(item: pytest.Item, error: CheckError) -> None:

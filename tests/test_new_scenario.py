@@ -6,13 +6,16 @@ all take the new scenario from the registry (the toy engine stands in for a real
 
 from __future__ import annotations
 
+import ast
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+import pytest_kvguard
 from pytest_kvguard.policies import Policy
 from pytest_kvguard.scenarios import SCENARIOS
 from pytest_kvguard.scenarios.base import (
@@ -23,9 +26,10 @@ from pytest_kvguard.scenarios.base import (
     Context,
     Fields,
     Measured,
+    Panel,
     Scenario,
-    require_text_room,
 )
+from pytest_kvguard.scenarios.validate import require_text_room
 from pytest_kvguard.texts import load_text
 
 pytestmark = pytest.mark.usefixtures("fake_engine")
@@ -72,6 +76,22 @@ class FillScenario(Scenario[FillSpec]):
 
     def table(self, outcomes: Sequence[Any]) -> tuple[list[str], list[list[list[str]]]]:
         return ["tokens", "held"], [[[str(o.tokens), str(o.detail.held)]] for o in outcomes]
+
+    # Its extras: an explanation of a red check, a report section and a plot panel.
+    explanation_schema = {"type": "object", "required": ["summary"]}
+
+    def explain(self, ctx: Context, check: Check[FillSpec]) -> dict[str, Any] | None:
+        return {"summary": f"the cache kept {check.spec.policy.cap} of {check.spec.tokens}"}
+
+    def report_sections(self, outcome: Any) -> list[tuple[str, str]]:
+        return [("kvguard fill", outcome.explanation["summary"])] if outcome.explanation else []
+
+    def panels(self, outcome: Any) -> list[Panel]:
+        def draw(ax: Any) -> int:
+            ax.bar([outcome.name], [outcome.detail.held])
+            return 1
+
+        return [Panel("fill", "held", draw)]
 
 
 @pytest.fixture
@@ -126,3 +146,72 @@ def test_a_new_scenario_refuses_bad_input_like_the_others(
     result.stderr.fnmatch_lines(
         ["ERROR: budgets.yaml:8: unknown fill parameter 'lengths' (fix: *known: tokens, cap, text)"]
     )
+
+
+def test_a_new_scenario_brings_its_own_explanation_section_and_plot(
+    gate: pytest.Pytester, fill_registered: None
+) -> None:
+    """A red fill check is explained by the scenario's hook (JSON row, report section) and
+    both checks draw into the scenario's own plot, with no module outside the scenario told."""
+    from pytest_kvguard.report import report_schema
+
+    gate.makefile(
+        ".yaml",
+        budgets="version: 1\ndefaults: {engine: fake, model: tiny.gguf}\nchecks:\n"
+        "  - name: fill-full\n    scenario: fill\n    policy: full\n"
+        "    params: {tokens: 300}\n    budgets: {max_kv_entries: 64}\n"
+        "  - name: fill-window\n    scenario: fill\n    policy: window\n"
+        "    params: {cap: 64, tokens: 300}\n    budgets: {max_kv_entries: 64}\n",
+    )
+    result = gate.runpytest("--kvguard", "budgets.yaml", "--kvguard-json", "r.json",
+                            "--kvguard-plot")  # fmt: skip
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*kvguard fill*", "the cache kept None of 300"])
+    report = json.loads((gate.path / "r.json").read_text())
+    import jsonschema
+
+    jsonschema.validate(report, report_schema())
+    explained = {c["name"]: c["explanation"] for c in report["checks"]}
+    assert explained == {"fill-full": {"summary": "the cache kept None of 300"},
+                         "fill-window": None}  # fmt: skip
+    result.stdout.fnmatch_lines(["kvguard: plot written to r.fill.png"])
+    assert (gate.path / "r.fill.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _named_scenarios(path: Path) -> list[str]:
+    """Where a module names a registered scenario: a string equal to its name (docstrings
+    aside) or an import of its module."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    where = path.relative_to(Path(pytest_kvguard.__file__).parent.parent)
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    found = []
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Constant)
+            and node.value in SCENARIOS
+            and id(node) not in docstrings
+        ):
+            found.append(f"{where}:{node.lineno} '{node.value}'")
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            modules = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            for module in modules:
+                if module.removeprefix("pytest_kvguard.scenarios.") in SCENARIOS:
+                    found.append(f"{where}:{node.lineno} imports {module}")
+    return found
+
+
+def test_no_module_outside_scenarios_names_a_scenario() -> None:
+    """What one scenario does is its own module's business: the runner, the report, the plots
+    and the engines reach it through the registry and the ``Scenario`` hooks only."""
+    package = Path(pytest_kvguard.__file__).parent
+    outside = [p for p in sorted(package.rglob("*.py")) if "scenarios" not in p.parts]
+    assert len(outside) > 20
+    found = [hit for path in outside for hit in _named_scenarios(path)]
+    assert not found, "scenario named outside scenarios/: " + "; ".join(found)

@@ -21,6 +21,9 @@ from pytest_kvguard.scenarios import (
 )
 from pytest_kvguard.scenarios.base import Scenario
 
+DEFAULT_SCENARIO = "stream"
+"""The scenario of a budgets-file check that names none."""
+
 SCENARIOS: dict[str, Scenario[Any]] = {
     s.name: s
     for s in (

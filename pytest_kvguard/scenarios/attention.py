@@ -26,11 +26,12 @@ from pytest_kvguard.scenarios.base import (
     Context,
     Fields,
     Measured,
+    Panel,
     Param,
     Scenario,
-    ascending_counts,
-    require_text_room,
 )
+from pytest_kvguard.scenarios.extras import sink_heads_panel
+from pytest_kvguard.scenarios.validate import ascending_counts, require_text_room
 from pytest_kvguard.texts import Text, load_text
 
 FIRST_K = 8
@@ -284,6 +285,10 @@ class AttentionScenario(Scenario[AttentionSpec]):
         fields.policy_of("engine", "full")
         return build_spec(fields)
 
+    def panels(self, outcome: Any) -> list[Panel]:
+        note = f"sink token {outcome.detail.sink_token!r}"
+        return [sink_heads_panel(outcome, outcome.detail.head_sink_mass, note)]
+
     def run(self, ctx: Context, check: Check[AttentionSpec]) -> Measured:
         spec = check.spec
         text = load_text(spec.text, check.base_dir)
@@ -332,10 +337,6 @@ class AttentionScenario(Scenario[AttentionSpec]):
 SCENARIO = AttentionScenario()
 
 
-SHADES = " .:-=+*#%@"
-"""Text heatmap levels, 0-10% .. 90-100% of a head's attention on the first tokens."""
-
-
 def explain_sinks(ctx: Context, check: Check[Any], sinks_kept: int) -> dict[str, Any] | None:
     """For a stream or sweep check that broke a budget (a FAIL, or a negative control CAUGHT):
     the heads of its engine and model that park their attention on the first tokens (read as
@@ -380,15 +381,3 @@ def explain_sinks(ctx: Context, check: Check[Any], sinks_kept: int) -> dict[str,
         "sink_heads": sink_heads,
         "head_sink_mass": heads,
     }
-
-
-def text_heatmap(head_mass: Sequence[Sequence[float]]) -> list[str]:
-    """One line per layer, one character per head: the share of its attention on the first
-    tokens, in tenths (``SHADES``)."""
-    lines = [
-        f"layer  heads 0..{len(head_mass[0]) - 1} (' ' <10% ... '@' >=90% on the first tokens)"
-    ]
-    for layer, masses in enumerate(head_mass):
-        cells = "".join(SHADES[min(9, int(m * 10))] for m in masses)
-        lines.append(f"{layer:>5}  |{cells}|")
-    return lines

@@ -28,8 +28,8 @@ from pytest_kvguard.scenarios.base import (
     Fields,
     Measured,
     Scenario,
-    require_two_engines,
 )
+from pytest_kvguard.scenarios.validate import require_two_engines
 from pytest_kvguard.texts import load_text
 
 

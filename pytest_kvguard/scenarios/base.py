@@ -168,68 +168,6 @@ class Fields:
         return self.loaded_text.name
 
 
-def require_two_engines(fields: Fields, scenario: str, what: str) -> None:
-    """A two-engine scenario naming one engine twice would compare a run with itself."""
-    if fields.engines[0] == fields.engines[1]:
-        raise KvguardError(
-            f"{scenario} compares two engines, and both are '{fields.engine}': it would "
-            f"compare {what} with itself",
-            fix="write engines: [llama_cpp, mlx]",
-            key="engines",
-        )
-
-
-def require_text_room(fields: Fields, tokens: int, key: str) -> None:
-    """Refuse a token count the text cannot hold: every token covers at least one byte."""
-    text = fields.loaded_text
-    size = len(text.content.encode("utf-8"))
-    if tokens > size + 1:  # + BOS
-        raise KvguardError(
-            f"{key.removeprefix('params.')} {tokens} is more than text '{text.name}' can give "
-            f"({size:,} bytes, so at most {size + 1:,} tokens)",
-            fix="lower it, or use a longer text",
-            key=key,
-        )
-
-
-def ascending_counts(
-    values: object, what: str, minimum: int, at_least: int, example: str
-) -> list[int]:
-    """A list of at least ``at_least`` distinct integers >= ``minimum``, ascending, or an error."""
-    key = f"params.{what}"
-    if (
-        not isinstance(values, (list, tuple))
-        or len(values) < at_least
-        or any(isinstance(v, bool) or not isinstance(v, int) or v < minimum for v in values)
-    ):
-        raise KvguardError(
-            f"{what} must be a list of at least {at_least} integers >= {minimum}, got {values!r}",
-            fix=f"write e.g. {what}: {example}",
-            key=key,
-        )
-    if list(values) != sorted(set(values)):
-        raise KvguardError(
-            f"{what} must be distinct and ascending, got {list(values)}",
-            fix=f"write {what}: {sorted(set(values))}",
-            key=key,
-        )
-    return list(values)
-
-
-def check_bounded_run(policy: Policy, tokens: int, budgets: Budgets) -> None:
-    """``bounded: true`` needs a cap and a run that goes past it, or it proves nothing."""
-    if not budgets.bounded:
-        return
-    if policy.cap is None or tokens <= policy.cap:
-        raise KvguardError(
-            "bounded needs a policy with a cap and a run that goes past it"
-            if policy.cap is None
-            else f"bounded: the run ({tokens} tokens) never goes past the cap {policy.cap}",
-            fix="use window, sink or engine_default with a cap below the tokens fed",
-            key="budgets.bounded",
-        )
-
-
 @dataclass(frozen=True)
 class Check(Generic[SpecT]):
     """One check, from a budgets file or a test: a scenario's spec, on engines, with budgets."""
@@ -396,6 +334,9 @@ class Scenario(ABC, Generic[SpecT]):
     """Where no policy is taken: why a ``policy`` key is refused, and the fix."""
     takes_baseline: ClassVar[bool] = False
     """Whether the check names a baseline policy (default ``full``)."""
+    serves_running_server: ClassVar[bool] = False
+    """Whether a check may name a running server's URL as its model: the HTTP API gives what
+    the scenario needs (no logits, no cache access, no restart with another context)."""
 
     @abstractmethod
     def build(self, fields: Fields) -> SpecT:
@@ -421,3 +362,50 @@ class Scenario(ABC, Generic[SpecT]):
 
     def detail_from_json(self, data: Mapping[str, Any]) -> Any:
         return self.detail_type(**data)
+
+    # Optional hooks: what a scenario adds to the report beyond its table. The modules that
+    # draw the report call these for every scenario and never name one.
+
+    footnote: ClassVar[str] = ""
+    """A line printed under the terminal tables when a check of this scenario ran."""
+    explanation_schema: ClassVar[dict[str, Any] | None] = None
+    """The JSON schema of what ``explain`` returns (None: it returns nothing)."""
+
+    def explain(self, ctx: Context, check: Check[SpecT]) -> dict[str, Any] | None:
+        """Why a check that broke a budget broke it, read from the engine (JSON-ready, kept
+        as the row's ``explanation``); None: nothing to say. Called only for a check with
+        violations; if it raises, the error is said and the verdict stands."""
+        return None
+
+    def report_sections(self, outcome: Any) -> list[tuple[str, str]]:
+        """(title, text) sections added to the test's report (shown with its failure)."""
+        return []
+
+    def panels(self, outcome: Any) -> list[Panel]:
+        """What this check draws in the plots next to the JSON report (``--kvguard-plot``)."""
+        return []
+
+    @property
+    def comparable_metrics(self) -> dict[str, bool]:
+        """The figures a baseline or an upgrade preview compares for this scenario's checks,
+        and whether each is better higher: those its budgets gate on, in the budgets' own
+        direction (a ``min_`` budget's figure regresses by falling)."""
+        return Budgets.gated_metrics(self.budgets)
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One thing a check draws into a plot file: panels of a file that share a ``group``
+    share axes (a line per check); the file's first panel sets its grid."""
+
+    file: str
+    """The plot's name: ``kvguard-report.<file>.png`` beside the JSON report."""
+    group: str
+    """Panels with the same group draw on the same axes."""
+    draw: Callable[[Any], int]
+    """Draws on a matplotlib ``Axes`` (titles and labels included); returns what it drew
+    (lines or images; 0: nothing)."""
+    columns: int = 2
+    """Axes per row of the file's grid."""
+    size: tuple[float, float] = (7.0, 4.5)
+    """Inches per axes, width and height."""

@@ -280,6 +280,7 @@ class EditReplayScenario(Scenario[ReplaySpec]):
     budgets = ("max_reprefill_tokens", "max_reprefill_fraction", "min_reused_tokens",
                "max_memory_bytes")  # fmt: skip
     detail_type = ReplayDetail
+    serves_running_server = True
 
     def build(self, fields: Fields) -> ReplaySpec:
         assert fields.policy is not None

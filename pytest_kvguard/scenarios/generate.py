@@ -44,9 +44,9 @@ from pytest_kvguard.scenarios.base import (
     RunRequest,
     Scenario,
     TextFeed,
-    require_text_room,
 )
 from pytest_kvguard.scenarios.stream import check_reaches_eviction
+from pytest_kvguard.scenarios.validate import require_text_room
 from pytest_kvguard.texts import Text, load_text
 
 PROMPT = Param(

@@ -28,16 +28,16 @@ from pytest_kvguard.scenarios.base import (
     Context,
     Fields,
     Measured,
+    Panel,
     Param,
     Planned,
     RunRequest,
     Scenario,
     TextFeed,
-    ascending_counts,
-    check_bounded_run,
-    require_text_room,
 )
+from pytest_kvguard.scenarios.extras import kv_bytes_panels
 from pytest_kvguard.scenarios.feeding import StreamRun, chunks, growth_metric
+from pytest_kvguard.scenarios.validate import ascending_counts, check_bounded_run, require_text_room
 from pytest_kvguard.texts import load_text
 from pytest_kvguard.units import format_size
 
@@ -206,6 +206,9 @@ class MemoryScenario(Scenario[MemorySpec]):
         "max_kv_bytes_per_token", "max_kv_deviation_pct",
     )  # fmt: skip
     detail_type = MemoryDetail
+
+    def panels(self, outcome: Any) -> list[Panel]:
+        return kv_bytes_panels(outcome)
 
     def build(self, fields: Fields) -> MemorySpec:
         assert fields.policy is not None

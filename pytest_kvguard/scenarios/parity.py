@@ -20,10 +20,9 @@ from pytest_kvguard.scenarios.base import (
     Fields,
     Measured,
     Scenario,
-    require_text_room,
-    require_two_engines,
 )
 from pytest_kvguard.scenarios.feeding import StreamRun
+from pytest_kvguard.scenarios.validate import require_text_room, require_two_engines
 from pytest_kvguard.scoring import perplexity
 from pytest_kvguard.texts import load_text
 

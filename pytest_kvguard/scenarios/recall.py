@@ -36,9 +36,9 @@ from pytest_kvguard.scenarios.base import (
     Planned,
     RunRequest,
     Scenario,
-    require_text_room,
 )
 from pytest_kvguard.scenarios.feeding import StreamRun
+from pytest_kvguard.scenarios.validate import require_text_room
 from pytest_kvguard.texts import DEFAULT_TEXT, Text, load_text
 
 DEFAULT_FACT = "Note for later: the password of the blue vault is PAPAYA-7.\n\n"

@@ -14,6 +14,7 @@ from typing import Any
 from pytest_kvguard.budgets import Budgets
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.policies import Policy
+from pytest_kvguard.scenarios.attention import explain_sinks
 from pytest_kvguard.scenarios.base import (
     CAP,
     CHUNK,
@@ -26,14 +27,20 @@ from pytest_kvguard.scenarios.base import (
     Context,
     Fields,
     Measured,
+    Panel,
     Planned,
     RunRequest,
     Scenario,
     TextFeed,
-    check_bounded_run,
-    require_text_room,
+)
+from pytest_kvguard.scenarios.extras import (
+    SINK_EXPLANATION_SCHEMA,
+    explanation_panels,
+    explanation_sections,
+    kv_bytes_panels,
 )
 from pytest_kvguard.scenarios.feeding import StreamRun, growth_metric
+from pytest_kvguard.scenarios.validate import check_bounded_run, require_text_room
 from pytest_kvguard.scoring import perplexity
 from pytest_kvguard.texts import load_text
 
@@ -164,6 +171,10 @@ class StreamScenario(Scenario[StreamSpec]):
     )  # fmt: skip
     detail_type = StreamDetail
     takes_baseline = True
+    footnote = (
+        "ppl = perplexity over the tokens fed after the first eviction; "
+        "delta = candidate vs baseline on the same token ids."
+    )
 
     def build(self, fields: Fields) -> StreamSpec:
         assert fields.policy is not None
@@ -184,6 +195,21 @@ class StreamScenario(Scenario[StreamSpec]):
     def check_budgets(self, spec: StreamSpec, budgets: Budgets) -> None:
         check_bounded_run(spec.policy, spec.tokens, budgets)
         check_chunk_gap_budget(spec.policy, budgets)
+
+    explanation_schema = SINK_EXPLANATION_SCHEMA
+
+    def explain(self, ctx: Context, check: Check[StreamSpec]) -> dict[str, Any] | None:
+        """A window or sink policy that broke a budget: the sink heads it starves."""
+        policy = check.spec.policy
+        if policy.kind not in ("window", "sink"):
+            return None
+        return explain_sinks(ctx, check, int(policy.sinks))
+
+    def report_sections(self, outcome: Any) -> list[tuple[str, str]]:
+        return explanation_sections(outcome)
+
+    def panels(self, outcome: Any) -> list[Panel]:
+        return [*kv_bytes_panels(outcome), *explanation_panels(outcome)]
 
     def planned_runs(self, check: Check[StreamSpec]) -> list[Planned]:
         spec = check.spec

@@ -21,6 +21,7 @@ import numpy as np
 from pytest_kvguard.engines import check_policy
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.policies import Policy, make_policy
+from pytest_kvguard.scenarios.attention import explain_sinks
 from pytest_kvguard.scenarios.base import (
     CAP,
     CHUNK,
@@ -31,13 +32,17 @@ from pytest_kvguard.scenarios.base import (
     Context,
     Fields,
     Measured,
+    Panel,
     Param,
     Planned,
     RunRequest,
     Scenario,
     TextFeed,
-    ascending_counts,
-    require_text_room,
+)
+from pytest_kvguard.scenarios.extras import (
+    SINK_EXPLANATION_SCHEMA,
+    explanation_panels,
+    explanation_sections,
 )
 from pytest_kvguard.scenarios.generate import (
     PREFILL_STEP,
@@ -47,6 +52,7 @@ from pytest_kvguard.scenarios.generate import (
     streams_through,
 )
 from pytest_kvguard.scenarios.stream import StreamResult, check_reaches_eviction, compare
+from pytest_kvguard.scenarios.validate import ascending_counts, require_text_room
 from pytest_kvguard.texts import Text, load_text
 
 DEFAULT_SINKS = (0, 1, 2, 4, 8)
@@ -382,6 +388,38 @@ class SweepScenario(Scenario[SweepSpec]):
                 samples=[row.to_json() for row in rows],
             ),
         )
+
+    explanation_schema = SINK_EXPLANATION_SCHEMA
+
+    def explain(self, ctx: Context, check: Check[SweepSpec]) -> dict[str, Any] | None:
+        """A sweep that broke a budget: the sink heads its fewest sinks starve."""
+        return explain_sinks(ctx, check, int(min(check.spec.sinks)))
+
+    def report_sections(self, outcome: Any) -> list[tuple[str, str]]:
+        return explanation_sections(outcome)
+
+    def panels(self, outcome: Any) -> list[Panel]:
+        """Post-eviction perplexity against sinks, a line per position handling (all sweeps
+        on one axes), the full cache's as a dotted line; and the explanation's heads."""
+
+        def draw(ax: Any) -> int:
+            samples = outcome.detail.samples
+            lines = 0
+            for mode in dict.fromkeys(s["positions"] for s in samples):
+                points = sorted((s["sinks"], s["post_eviction_ppl"]) for s in samples
+                                if s["positions"] == mode)  # fmt: skip
+                label = f"{outcome.model}, {outcome.engine}, {mode}"
+                (line,) = ax.plot(*zip(*points, strict=True), marker="o", label=label)
+                lines += 1
+            ax.axhline(outcome.detail.baseline_ppl, linestyle=":", color=line.get_color(),
+                       alpha=0.6)  # fmt: skip
+            ax.set_xlabel("sinks (same total cap)")
+            ax.set_ylabel("post-eviction perplexity (dotted: full cache)")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize="small")
+            return lines
+
+        return [Panel("sink-sweep", "sweeps", draw, columns=1), *explanation_panels(outcome)]
 
     def table(self, outcomes: Sequence[Any]) -> tuple[list[str], list[list[list[str]]]]:
         """One line per position handling: post-eviction ppl (delta) per sink count."""
