@@ -40,7 +40,7 @@ def _set(stack: contextlib.ExitStack, owner: Any, name: str, value: Any) -> None
 def _sinks_dropped(stack: contextlib.ExitStack) -> None:
     from mlx_lm.models.cache import RotatingKVCache
 
-    from pytest_kvguard.engines import mlx as adapter
+    from pytest_kvguard.engines.mlx import caches as adapter
 
     class RotatingWithoutKeep(RotatingKVCache):  # type: ignore[misc]
         def __init__(self, max_size: int, keep: int = 0) -> None:
@@ -52,7 +52,7 @@ def _sinks_dropped(stack: contextlib.ExitStack) -> None:
 def _cap_not_applied(stack: contextlib.ExitStack) -> None:
     from mlx_lm.models.cache import RotatingKVCache
 
-    from pytest_kvguard.engines import mlx as adapter
+    from pytest_kvguard.engines.mlx import caches as adapter
 
     class RotatingWithoutCap(RotatingKVCache):  # type: ignore[misc]
         def __init__(self, max_size: int, keep: int = 0) -> None:

@@ -90,7 +90,8 @@ def make_policy(
 
     ``full``, ``swa`` and ``swa_full`` take no cap (the model decides what each layer keeps).
     ``chunk`` does not apply to ``full`` and ``swa_full``: they never evict, so their runs are
-    fed in prefill-sized chunks whatever it says.
+    fed in prefill-sized chunks whatever it says. Whether a chunk fits is for
+    ``engines.support.check_chunk``, the one place that refuses a chunk.
     """
     if kind not in POLICY_KINDS:
         raise KvguardError(f"unknown policy '{kind}'", fix="use one of " + ", ".join(POLICY_KINDS))
@@ -107,12 +108,6 @@ def make_policy(
         )
     if checkpoints < 0 or checkpoint_step < 1:
         raise KvguardError("checkpoints must be >= 0 and checkpoint_step >= 1")
-    if chunk < 1:
-        raise KvguardError(
-            f"chunk must be >= 1, got {chunk}",
-            fix="use chunk: 1 (one token per call) or more",
-            key="params.chunk",
-        )
     if kind in ("full", "swa_full"):
         # Nothing is evicted, so cap/sinks/positions do not apply.
         return Policy(kind)
@@ -142,20 +137,6 @@ def make_policy(
             f"cap {cap} leaves no room for recent tokens (sinks {sinks}, evict_step {evict_step})",
             fix="raise cap above sinks + evict_step",
         )
-    policy = Policy(
+    return Policy(
         kind, cap=cap, sinks=sinks, positions=positions, evict_step=evict_step, chunk=chunk
     )
-    largest = policy.max_chunk
-    assert largest is not None
-    if chunk > largest:
-        # The chunk's own entries must fit beside the pinned ones, freed evict_step at a time.
-        stepped = evict_step > 1
-        raise KvguardError(
-            f"chunk {chunk} cannot fit beside {sinks} sink(s) in cap {cap}"
-            + (f" when evicting {evict_step} at a time" if stepped else ""),
-            fix=f"use chunk: {largest} or less (cap - sinks"
-            + (", down to a multiple of evict_step" if stepped else "")
-            + "), or raise cap",
-            key="params.chunk",
-        )
-    return policy

@@ -95,7 +95,7 @@ def gate(pytester: pytest.Pytester, tiny_gguf: Path, fake_engine: None) -> pytes
 def smollm2_server() -> Iterator[object]:
     """A llama-server kvguard starts on the bundled SmolLM2-135M, stopped after the module."""
     from pytest_kvguard.engines import EngineOptions, load_engine
-    from pytest_kvguard.engines.llama_server import LlamaServerEngine
+    from pytest_kvguard.engines.served.llama_server import LlamaServerEngine
     from pytest_kvguard.models import ModelRef
 
     engine = load_engine(

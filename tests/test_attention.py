@@ -39,7 +39,7 @@ def explicit_softmax(q: np.ndarray, k: np.ndarray, scale: float, rows: list[int]
 def test_llama_cpp_probabilities_are_softmax_of_its_own_q_and_k(
     kvguard_runner: Runner, model: ModelRef
 ) -> None:
-    from pytest_kvguard.engines.llama_attention import SOFTMAX, capture
+    from pytest_kvguard.engines.llama_cpp.attention import SOFTMAX, capture
 
     engine: Any = kvguard_runner.engine("llama_cpp", model)
     ids = kvguard_runner.token_ids("llama_cpp", model, pydoc_topics(), 300)
@@ -64,7 +64,7 @@ def test_mlx_probabilities_are_softmax_of_the_layer_inputs(
 ) -> None:
     import mlx.core as mx
 
-    from pytest_kvguard.engines.mlx_attention import capture, model_module
+    from pytest_kvguard.engines.mlx.attention import capture, model_module
 
     engine: Any = kvguard_runner.engine("mlx", model)
     ids = kvguard_runner.token_ids("mlx", model, pydoc_topics(), 300)
@@ -205,8 +205,8 @@ def test_captures_past_one_batch_keep_positions_and_masks(
 ) -> None:
     """700 tokens: two llama.cpp batches and two mlx forward calls (the second with a cache
     offset and its own mask); rows on both sides of token 512."""
-    from pytest_kvguard.engines import mlx_attention
-    from pytest_kvguard.engines.llama_attention import SOFTMAX, capture
+    from pytest_kvguard.engines.llama_cpp.attention import SOFTMAX, capture
+    from pytest_kvguard.engines.mlx import attention as mlx_attention
 
     rows = [300, 600, 699]
     engine: Any = kvguard_runner.engine("llama_cpp", SMOLLM2)

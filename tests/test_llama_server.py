@@ -18,8 +18,8 @@ import pytest
 
 from pytest_kvguard.engines import EngineOptions, load_engine
 from pytest_kvguard.engines.conversation import Turn
-from pytest_kvguard.engines.llama_server import LlamaServerEngine
-from pytest_kvguard.engines.llama_server_process import ServerSettings
+from pytest_kvguard.engines.served.llama_server import LlamaServerEngine
+from pytest_kvguard.engines.served.process import ServerSettings
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.models import ModelRef
 from pytest_kvguard.policies import make_policy

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 from pytest_kvguard.engines import EngineOptions, load_engine
-from pytest_kvguard.engines.llama_server import LlamaServerEngine
-from pytest_kvguard.engines.llama_server_process import ServerSettings
+from pytest_kvguard.engines.served.llama_server import LlamaServerEngine
+from pytest_kvguard.engines.served.process import ServerSettings
 from pytest_kvguard.models import ModelRef
 from pytest_kvguard.policies import Policy
 from pytest_kvguard.scenarios.edit_replay import (

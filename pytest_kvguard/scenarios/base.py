@@ -16,7 +16,13 @@ from pathlib import Path
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from pytest_kvguard.budgets import Budgets
-from pytest_kvguard.engines import Engine, check_policy, check_policy_kind, engine_info
+from pytest_kvguard.engines import (
+    Engine,
+    check_chunk,
+    check_policy,
+    check_policy_kind,
+    engine_info,
+)
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.models import ModelRef
 from pytest_kvguard.policies import DEFAULT_CHECKPOINT_STEP, POLICY_KINDS, Policy, make_policy
@@ -145,13 +151,8 @@ class Fields:
                 check_policy(engine, policy, engine_scenario)
         except KvguardError as exc:
             raise exc.keyed(key) from None
-        if key == "policy" and p.get("chunk", 1) > policy.chunk:
-            # A baseline of full may share the check's chunk; a candidate that drops it may not.
-            raise KvguardError(
-                f"policy '{kind}' never evicts, so chunk {p['chunk']} would change nothing",
-                fix="remove chunk, or use a policy with a cap",
-                key="params.chunk",
-            )
+        # A baseline of full may share the check's chunk; a candidate that drops it may not.
+        check_chunk(p.get("chunk", 1), policy, candidate=key == "policy")
         return policy
 
     @cached_property

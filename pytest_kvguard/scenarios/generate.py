@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from pytest_kvguard.budgets import Budgets
-from pytest_kvguard.engines import engine_info
+from pytest_kvguard.engines import check_chunk, engine_info
 from pytest_kvguard.engines.conversation import plan_turns
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.models import ModelRef
@@ -183,13 +183,8 @@ class GenerateScenario(Scenario[GenerateSpec]):
         )  # fmt: skip
 
     def check_budgets(self, spec: GenerateSpec, budgets: Budgets) -> None:
-        if spec.served and budgets.max_chunk_gap_pct is not None:
-            raise KvguardError(
-                "max_chunk_gap_pct compares the engine's generate path with kvguard's own "
-                "one-token loop, which does not run through a server",
-                fix="remove max_chunk_gap_pct from this check",
-                key="budgets.max_chunk_gap_pct",
-            )
+        if spec.served:
+            check_chunk(None, served=True, gap_budget=budgets.max_chunk_gap_pct is not None)
 
     def planned_runs(self, check: Check[GenerateSpec]) -> list[Planned]:
         spec = check.spec

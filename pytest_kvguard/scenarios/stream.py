@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pytest_kvguard.budgets import Budgets
+from pytest_kvguard.engines import check_chunk
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.policies import Policy
 from pytest_kvguard.scenarios.attention import explain_sinks
@@ -112,17 +113,6 @@ class StreamResult:
         }
 
 
-def check_chunk_gap_budget(policy: Policy, budgets: Budgets) -> None:
-    """``max_chunk_gap_pct`` compares a chunked run with one fed a token at a time."""
-    if budgets.max_chunk_gap_pct is not None and policy.chunk == 1:
-        raise KvguardError(
-            "max_chunk_gap_pct compares feeding in chunks with feeding one token at a time, "
-            "and this check feeds one token at a time (chunk 1)",
-            fix="set params.chunk above 1 (e.g. chunk: 64), or remove max_chunk_gap_pct",
-            key="budgets.max_chunk_gap_pct",
-        )
-
-
 def single_token(policy: Policy) -> Policy | None:
     """The same policy fed one token at a time; None when ``policy`` already is."""
     return replace(policy, chunk=1) if policy.chunk > 1 else None
@@ -194,7 +184,7 @@ class StreamScenario(Scenario[StreamSpec]):
 
     def check_budgets(self, spec: StreamSpec, budgets: Budgets) -> None:
         check_bounded_run(spec.policy, spec.tokens, budgets)
-        check_chunk_gap_budget(spec.policy, budgets)
+        check_chunk(spec.policy.chunk, gap_budget=budgets.max_chunk_gap_pct is not None)
 
     explanation_schema = SINK_EXPLANATION_SCHEMA
 

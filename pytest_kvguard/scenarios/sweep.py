@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from pytest_kvguard.engines import check_policy
+from pytest_kvguard.engines import check_chunk, check_policy
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.policies import Policy, make_policy
 from pytest_kvguard.scenarios.attention import explain_sinks
@@ -289,13 +289,7 @@ class SweepScenario(Scenario[SweepSpec]):
     @staticmethod
     def _served_prompt(fields: Fields, cap: int) -> int:
         """The prompt a server's sweep sends before its one generated reply."""
-        if fields.params["chunk"] != 1:
-            raise KvguardError(
-                f"engine {fields.engine} decodes its generated tokens itself, one at a time: "
-                "chunk does not apply",
-                fix="remove params.chunk",
-                key="params.chunk",
-            )
+        check_chunk(fields.params["chunk"], engine=fields.engine, served=True)
         prompt: int = fields.params["prompt"] or min(SERVED_PROMPT, cap // 2)
         if prompt >= cap:
             raise KvguardError(

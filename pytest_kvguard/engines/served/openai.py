@@ -25,8 +25,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pytest_kvguard.engines import EngineOptions
-from pytest_kvguard.engines.llama_server_process import (
+from pytest_kvguard.engines.options import EngineOptions
+from pytest_kvguard.engines.served.process import (
     DEFAULT_REQUEST_TIMEOUT,
     REQUEST_TIMEOUT_ENV,
     Http,

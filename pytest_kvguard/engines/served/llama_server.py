@@ -32,10 +32,10 @@ from typing import Any
 
 import numpy as np
 
-from pytest_kvguard.engines import EngineOptions
 from pytest_kvguard.engines.buffer_sizes import buffer_mib
 from pytest_kvguard.engines.conversation import Turn
-from pytest_kvguard.engines.llama_server_process import (
+from pytest_kvguard.engines.options import EngineOptions
+from pytest_kvguard.engines.served.process import (
     DEFAULT_REQUEST_TIMEOUT,
     REQUEST_TIMEOUT_ENV,
     Http,

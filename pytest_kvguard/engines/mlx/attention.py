@@ -27,8 +27,8 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
-from pytest_kvguard.engines import AttentionRows  # noqa: E402
-from pytest_kvguard.engines.mlx import eval_caches  # noqa: E402
+from pytest_kvguard.engines.mlx.caches import eval_caches  # noqa: E402
+from pytest_kvguard.engines.protocols import AttentionRows  # noqa: E402
 from pytest_kvguard.errors import EngineError  # noqa: E402
 
 CHUNK = 512

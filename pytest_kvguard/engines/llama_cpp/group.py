@@ -11,12 +11,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import llama_cpp as lc
 import numpy as np
 
-from pytest_kvguard.engines.llama_cpp import SEQ, LlamaCppEngine, LlamaCppStream, _Context
+from pytest_kvguard.engines.llama_cpp.context import SEQ, Context
+from pytest_kvguard.engines.llama_cpp.stream import LlamaCppStream
 from pytest_kvguard.policies import Policy
+
+if TYPE_CHECKING:
+    from pytest_kvguard.engines.llama_cpp.engine import LlamaCppEngine
 
 PROBE_CELLS = 256
 """Cells per sequence of the context ``state_header_bytes`` measures (llama.cpp's padding)."""
@@ -39,7 +44,7 @@ def solo_facts(engine: LlamaCppEngine, n_ctx: int) -> SoloFacts:
     model and size."""
     key = ("solo", n_ctx)
     if key not in engine.probes:
-        alone = _Context(engine, n_ctx)
+        alone = Context(engine, n_ctx)
         try:
             engine.probes[key] = SoloFacts(
                 can_shift=bool(lc.llama_memory_can_shift(alone.memory)),
@@ -61,13 +66,13 @@ def state_header_bytes(engine: LlamaCppEngine, n_ctx: int, n_seq: int) -> int:
     key = ("header", n_ctx, n_seq)
     if key not in engine.probes:
         token = max(0, int(lc.llama_vocab_bos(engine.vocab)))
-        alone = _Context(engine, n_ctx)
+        alone = Context(engine, n_ctx)
         try:
             alone.decode([token], [0], [SEQ], all_logits=False)
             solo_size = int(lc.llama_state_get_size(alone.ctx))
         finally:
             alone.close()
-        shared = _Context(engine, PROBE_CELLS * n_seq, n_seq=n_seq)
+        shared = Context(engine, PROBE_CELLS * n_seq, n_seq=n_seq)
         try:
             shared.decode([token], [0], [SEQ], all_logits=False)
             engine.probes[key] = solo_size - int(lc.llama_state_seq_get_size(shared.ctx, SEQ))
@@ -97,7 +102,7 @@ class LlamaCppStreamGroup:
     def __init__(self, engine: LlamaCppEngine, policies: Sequence[Policy], max_tokens: int) -> None:
         cells = max(padded(p.cap or max_tokens) for p in policies)
         self.engine = engine
-        self.context = _Context(engine, cells * len(policies), n_seq=len(policies))
+        self.context = Context(engine, cells * len(policies), n_seq=len(policies))
         self.streams: list[GroupRow] = []
         try:
             for seq, policy in enumerate(policies):

@@ -14,15 +14,18 @@ import functools
 import re
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llama_cpp as lc
 import numpy as np
 
-from pytest_kvguard.engines import AttentionRows
-from pytest_kvguard.engines.llama_cpp import UBATCH, LlamaCppEngine
+from pytest_kvguard.engines.llama_cpp.context import UBATCH
 from pytest_kvguard.engines.llama_log import captured_log, log_excerpt
+from pytest_kvguard.engines.protocols import AttentionRows
 from pytest_kvguard.errors import EngineError
+
+if TYPE_CHECKING:
+    from pytest_kvguard.engines.llama_cpp.engine import LlamaCppEngine
 
 SOFTMAX = "kq_soft_max"
 """llama.cpp's name for the attention probabilities (``build_attn_mha``), suffixed ``-{il}``."""

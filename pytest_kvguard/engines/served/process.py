@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from pytest_kvguard.engines import EngineOptions
+from pytest_kvguard.engines.options import EngineOptions
 from pytest_kvguard.errors import EngineError, KvguardError
 from pytest_kvguard.models import builtin_chat_template
 

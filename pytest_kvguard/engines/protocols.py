@@ -1,0 +1,254 @@
+"""What scenarios call on an engine: the core ``Engine`` protocol, what it hands out (streams,
+stream groups, prefix caches, attention rows), and the optional capabilities an adapter may
+add. Scenarios test a capability with ``isinstance`` against these runtime-checkable protocols;
+``registry.ENGINES`` declares which each adapter has, and tests/test_engine_layout.py checks
+the two agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import numpy as np
+
+from pytest_kvguard.policies import Policy
+
+if TYPE_CHECKING:
+    from pytest_kvguard.engines.conversation import Turn
+
+
+@runtime_checkable
+class Stream(Protocol):
+    """One sequence in an engine's cache, run under one policy."""
+
+    def room(self) -> int | None:
+        """Tokens that fit before the policy must evict; None when it never evicts."""
+        ...
+
+    def feed(self, token_ids: Sequence[int], logits: bool = True) -> np.ndarray:
+        """Evict as the policy says, decode the tokens, return their logits (n, vocab) float32.
+
+        With ``logits=False`` only the cache matters (memory runs): the result may be empty.
+        """
+        ...
+
+    @property
+    def held(self) -> int:
+        """KV entries held per layer now."""
+        ...
+
+    @property
+    def evicted(self) -> int:
+        """Tokens evicted so far."""
+        ...
+
+    def figures(self) -> dict[str, float]:
+        """Engine-measured memory figures now (bytes), e.g. kv_bytes, peak_memory_bytes."""
+        ...
+
+    def layer_sizes(self) -> list[tuple[int, int]]:
+        """(tokens seen, KV entries held) per layer, where the engine exposes it; else []."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class StreamGroup(Protocol):
+    """Several streams of one engine and model, one policy each, that can decode one more token
+    each in one engine call: the weights are read once for all of them (``Engine.
+    open_stream_group``). Each row keeps its own real cache, and may be fed its own token ids;
+    figures stay per row."""
+
+    @property
+    def streams(self) -> Sequence[Stream]:
+        """One stream per policy, in order; each can also be fed alone."""
+        ...
+
+    def feed_rows(self, rows: Sequence[int], token_ids: Sequence[int]) -> np.ndarray:
+        """Decode ``token_ids[k]`` on row ``rows[k]`` (index into ``streams``), all in one
+        engine call (those rows have been fed as many tokens, so their caches hold as many
+        entries, and each has room made for one more as its policy says): the logits, one row
+        per token (len(rows), vocab) float32."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class PrefixCache(Protocol):
+    """An engine's cache holding one prompt, able to serve an edited prompt (edit_replay).
+
+    It may also snapshot what it holds (``SnapshotsPrefix``) or, on a server, decide its own
+    reuse of an edited prompt (``ReplaysPrefix``)."""
+
+    def extend(self, token_ids: Sequence[int], start: int) -> None:
+        """Decode ``token_ids`` at positions ``start``, ``start + 1``, ... after the cached ones."""
+        ...
+
+    def keep_prefix(self, n_tokens: int) -> tuple[int, int | None]:
+        """Trim the cache to the longest prefix of at most ``n_tokens`` the engine can still use.
+
+        Returns the tokens kept and, when a checkpoint was restored to get them, its length.
+        """
+        ...
+
+    def memory_bytes(self) -> dict[str, float]:
+        """state_bytes (the cache), checkpoint_bytes, checkpoints (a count)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class AttentionRows:
+    """Attention probabilities an engine computed under the full cache (``Engine.attention``)."""
+
+    probs: np.ndarray
+    """(layer, head, query, key position) float32; key positions 0 .. the last query."""
+    how: str
+    """How they were read, in one line (for the report)."""
+    seconds: float
+    reconstruction_error: float | None = None
+    """Where the probabilities were computed beside a fused kernel: the largest
+    |probs @ V - the kernel's output| over the rows read, as a share of what the output's
+    dtype allows (above 1: they are not the engine's attention); None where read from the
+    engine itself."""
+    learned_sinks: bool = False
+    """The model has learned sink logits (gpt-oss): rows sum to less than 1."""
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A loaded model in a real inference engine.
+
+    An adapter may also have the optional capabilities below (``ReadsAttention``,
+    ``GroupsStreams``, ``TokenizesChat``, ``ReportsShifts``); ``CAPABILITIES`` names them.
+    """
+
+    name: str
+    kv_element_bytes: float
+    """Bytes per element of the K and V caches (f16: 2)."""
+
+    def version(self) -> str: ...
+
+    def describe(self) -> dict[str, str]:
+        """Build and backend facts worth recording in a report."""
+        ...
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids as the engine feeds them, with BOS where the model wants one."""
+        ...
+
+    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
+        """The prompt the model's own chat template renders for these messages."""
+        ...
+
+    def open_stream(self, policy: Policy, max_tokens: int) -> Stream:
+        """A fresh, empty sequence that will be fed at most ``max_tokens`` tokens."""
+        ...
+
+    def open_prefix_cache(self, policy: Policy, max_tokens: int) -> PrefixCache:
+        """A fresh cache for prompts of at most ``max_tokens`` tokens."""
+        ...
+
+    def converse(
+        self, policy: Policy, token_ids: Sequence[int], turns: Sequence[Turn], prefill_step: int
+    ) -> np.ndarray:
+        """The turns through the engine's own generation entry point under ``policy``: each
+        prompt prefilled ``prefill_step`` tokens per call, each reply generated with the text's
+        next token forced as the sampled one. nll[i] scores token i+1; NaN where not generated.
+        """
+        ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class ReadsAttention(Protocol):
+    """Capability ``attention``: the engine exposes its own attention probabilities."""
+
+    @property
+    def bos_id(self) -> int | None:
+        """The vocabulary's BOS token; None where it has none."""
+        ...
+
+    def attention(self, token_ids: Sequence[int], queries: Sequence[int]) -> AttentionRows:
+        """Attention probabilities for those query positions under a full cache."""
+        ...
+
+    def token_piece(self, token_id: int) -> str:
+        """The token's text, special tokens spelt out."""
+        ...
+
+
+@runtime_checkable
+class GroupsStreams(Protocol):
+    """Capability ``groups``: streams of several policies decode one token each in one engine
+    call. Policies with the same non-None ``group_key`` decode together (see
+    ``scenarios.feeding.run_specs``)."""
+
+    @property
+    def group_figures_own(self) -> bool:
+        """Whether a row of a group still reports every figure a stream of its own would, peak
+        memory included; where it does not, a run judged by its peak runs alone."""
+        ...
+
+    def group_key(self, policy: Policy) -> Hashable | None: ...
+
+    def open_stream_group(self, policies: Sequence[Policy], max_tokens: int) -> StreamGroup: ...
+
+
+@runtime_checkable
+class TokenizesChat(Protocol):
+    """Capability ``chat_ids``: the engine renders and tokenizes a chat in one call (vLLM), so
+    there is no rendered text to tokenize."""
+
+    def tokenize_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]: ...
+
+
+@runtime_checkable
+class ReportsShifts(Protocol):
+    """Capability ``shifts``: after ``converse``, where the engine shifted its context."""
+
+    @property
+    def last_shifts(self) -> Sequence[tuple[int, int, int]]:
+        """(n_keep, n_left, n_discard) of each shift in the last ``converse``."""
+        ...
+
+
+@runtime_checkable
+class SnapshotsPrefix(Protocol):
+    """Prefix-cache capability ``snapshot``: what the cache holds can be saved, and a fresh cache
+    of the same policy made to hold it, so edit_replay prefills each chat once per policy."""
+
+    def save(self) -> object:
+        """A snapshot of what the cache holds, in the engine's own state format."""
+        ...
+
+    def restore(self, saved: object) -> None: ...
+
+
+@runtime_checkable
+class ReplaysPrefix(Protocol):
+    """Prefix-cache capability ``replay``: a server decides its own reuse when the edited prompt
+    arrives, and counts it."""
+
+    def replay(self, token_ids: Sequence[int]) -> tuple[int, int, int | None]:
+        """(tokens reused, tokens prefilled again, checkpoint restored or None)."""
+        ...
+
+
+CAPABILITIES: dict[str, type] = {
+    "attention": ReadsAttention,
+    "groups": GroupsStreams,
+    "chat_ids": TokenizesChat,
+    "shifts": ReportsShifts,
+}
+"""Optional engine capabilities, by the name ``EngineInfo.capabilities`` declares them with."""
+
+PREFIX_CACHE_CAPABILITIES: dict[str, type] = {
+    "snapshot": SnapshotsPrefix,
+    "replay": ReplaysPrefix,
+}
+"""Optional capabilities of an engine's prefix cache (what ``open_prefix_cache`` returns)."""

@@ -1,0 +1,152 @@
+"""What runs where, and the one place that refuses what does not: the support table of
+scenario path x engine x policy kind (from ``registry.ENGINES``), and every refusal of a
+policy, position handling, eviction step or ``chunk`` an engine cannot run.
+
+An engine path is how a scenario drives the engine: ``stream`` and ``memory`` feed kvguard's own
+loop (``Engine.open_stream``), ``edit_replay`` a prefix cache, ``generate`` the engine's own
+generation (``Engine.converse``), ``attention`` its attention probabilities (capability
+``attention``).
+"""
+
+from __future__ import annotations
+
+from pytest_kvguard.engines.registry import ENGINES, engine_info
+from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.policies import Policy
+
+
+def support_table() -> list[tuple[str, str, tuple[str, ...]]]:
+    """(engine path, engine, policy kinds) for every path each engine can run."""
+    rows = [
+        (path, info.name, kinds)
+        for info in ENGINES.values()
+        for path, kinds in info.policies.items()
+    ]
+    # Attention is read under the full cache, from engines that expose it.
+    rows += [
+        ("attention", i.name, ("full",)) for i in ENGINES.values() if "attention" in i.capabilities
+    ]
+    return sorted(rows)
+
+
+def check_policy_kind(name: str, kind: str, scenario: str) -> None:
+    """Refuse a policy kind the engine's adapter does not implement for this scenario."""
+    kinds = engine_info(name).policies.get(scenario, ())
+    if kind not in kinds:
+        raise KvguardError(
+            f"engine '{name}' does not implement policy '{kind}' for {scenario}",
+            fix="use one of " + ", ".join(kinds) if kinds else f"use another engine for {scenario}",
+        )
+
+
+def check_policy(name: str, policy: Policy, scenario: str = "stream") -> None:
+    """Refuse a policy, position handling, eviction step or chunk the engine's adapter cannot
+    run."""
+    info = engine_info(name)
+    check_policy_kind(name, policy.kind, scenario)
+    check_chunk(policy.chunk, policy, name)
+    if policy.bounded and policy.positions not in info.position_modes:
+        raise KvguardError(
+            f"engine '{name}' cannot run positions '{policy.positions}'",
+            fix="use positions: " + " or ".join(info.position_modes),
+        )
+    if policy.cap is not None and info.context_step and (policy.cap + 1) % info.context_step:
+        cells = info.context_step
+        low = max((policy.cap + 1) // cells * cells - 1, cells - 1)
+        raise KvguardError(
+            f"engine '{name}' holds at most a multiple of {info.context_step} cells minus one "
+            f"(it shifts when one more token would not fit), so cap {policy.cap} cannot be "
+            "asked of it",
+            fix=f"use cap: {low} or {low + cells}",
+            key="params.cap",
+        )
+    step = info.fixed_evict_step
+    if policy.bounded and step is not None and policy.evict_step != step:
+        raise KvguardError(
+            f"engine '{name}' evicts {step} token(s) per step, not {policy.evict_step}",
+            fix=f"use evict_step: {step}",
+        )
+
+
+def check_chunk(
+    chunk: int | None,
+    policy: Policy | None = None,
+    engine: str | None = None,
+    *,
+    candidate: bool = True,
+    served: bool = False,
+    gap_budget: bool = False,
+) -> None:
+    """Refuse a ``chunk`` (tokens fed per engine call once the cache is full) that cannot mean
+    what it says: every such refusal is here.
+
+    ``chunk`` is what the check asked for (None: it does not apply here); ``policy`` the policy
+    built from it (a policy that never evicts drops it); ``candidate`` whether that policy is
+    the one judged (a baseline of full may share the check's chunk); ``served`` whether the
+    engine generates through its own server; ``gap_budget`` whether max_chunk_gap_pct is set.
+    """
+    if chunk is not None and chunk < 1:
+        raise KvguardError(
+            f"chunk must be >= 1, got {chunk}",
+            fix="use chunk: 1 (one token per call) or more",
+            key="params.chunk",
+        )
+    if served:
+        if gap_budget:
+            raise KvguardError(
+                "max_chunk_gap_pct compares the engine's generate path with kvguard's own "
+                "one-token loop, which does not run through a server",
+                fix="remove max_chunk_gap_pct from this check",
+                key="budgets.max_chunk_gap_pct",
+            )
+        if chunk is not None and chunk != 1:
+            raise KvguardError(
+                f"engine {engine} decodes its generated tokens itself, one at a time: "
+                "chunk does not apply",
+                fix="remove params.chunk",
+                key="params.chunk",
+            )
+        return
+    if gap_budget and chunk == 1:
+        raise KvguardError(
+            "max_chunk_gap_pct compares feeding in chunks with feeding one token at a time, "
+            "and this check feeds one token at a time (chunk 1)",
+            fix="set params.chunk above 1 (e.g. chunk: 64), or remove max_chunk_gap_pct",
+            key="budgets.max_chunk_gap_pct",
+        )
+    if policy is None or chunk is None:
+        return
+    if candidate and chunk > policy.chunk:
+        raise KvguardError(
+            f"policy '{policy.kind}' never evicts, so chunk {chunk} would change nothing",
+            fix="remove chunk, or use a policy with a cap",
+            key="params.chunk",
+        )
+    largest = policy.max_chunk
+    if largest is not None and chunk > largest:
+        # The chunk's own entries must fit beside the pinned ones, freed evict_step at a time.
+        stepped = policy.evict_step > 1
+        raise KvguardError(
+            f"chunk {chunk} cannot fit beside {policy.sinks} sink(s) in cap {policy.cap}"
+            + (f" when evicting {policy.evict_step} at a time" if stepped else ""),
+            fix=f"use chunk: {largest} or less (cap - sinks"
+            + (", down to a multiple of evict_step" if stepped else "")
+            + "), or raise cap",
+            key="params.chunk",
+        )
+    if engine is None:
+        return
+    info = engine_info(engine)
+    if chunk > 1 and policy.kind in info.self_evicting:
+        raise KvguardError(
+            f"engine '{engine}' trims its '{policy.kind}' cache inside each decode call, so "
+            "chunk has nothing to change there",
+            fix="remove chunk, or use a policy with a cap",
+            key="params.chunk",
+        )
+    if info.max_chunk is not None and chunk > info.max_chunk:
+        raise KvguardError(
+            f"engine '{engine}' takes at most {info.max_chunk} tokens per call, not chunk {chunk}",
+            fix=f"use chunk: {info.max_chunk} or less",
+            key="params.chunk",
+        )
