@@ -1,18 +1,47 @@
-"""Every scenario's parameters and budgets as Markdown, from the scenarios' own tables.
+"""The reference tables, generated from the code: docs/reference.md carries each between
+``<!-- generated: NAME -->`` and ``<!-- end generated -->`` markers, and a test keeps them equal.
 
-README.md carries this text between ``<!-- scenarios -->`` markers (a test keeps them equal);
-``kvguard-scenarios`` prints it, so a user can see what their installed version takes.
+``kvguard-docs`` prints them, ``kvguard-docs --check`` says which copies in the file are stale,
+``kvguard-docs --write`` regenerates them in place. ``kvguard-scenarios`` prints the scenarios'
+own tables (what the installed version takes) and, with ``--schema``, the JSON report's schema.
+
+Every table reads its source of truth: the ``Budgets`` fields and their metadata, the scenario
+registry, the engine registry, the options as ``options.add_options`` declares them, and
+``options.ENVIRONMENT`` (whose names a test matches with what the package reads).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import fields
+from pathlib import Path
+from typing import Any, cast
 
+from pytest_kvguard.budgets import Budgets
+from pytest_kvguard.engines import ENGINES
+from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.models import BUNDLED_MODELS, env_var_for
+from pytest_kvguard.options import ENVIRONMENT, MODEL_ENVIRONMENT, add_options
+from pytest_kvguard.policies import POLICY_KINDS, POSITION_MODES
 from pytest_kvguard.report import report_schema
 from pytest_kvguard.scenarios import SCENARIOS
-from pytest_kvguard.scenarios.base import PARAM_KINDS
+from pytest_kvguard.scenarios.base import PARAM_KINDS, Fields, Scenario
+
+REFERENCE = Path("docs/reference.md")
+"""Where the generated tables live, relative to the repository root."""
+FIX = "kvguard-docs --write (or: python -m pytest_kvguard.docs --write)"
+"""The command that regenerates them, as failure messages name it."""
+SECTION = re.compile(
+    r"<!-- generated: (?P<name>[\w-]+) -->\n(?P<body>.*?)<!-- end generated -->", re.S
+)
+
+
+def _cell(text: str) -> str:
+    """Text safe inside a Markdown table cell."""
+    return text.replace("|", "\\|").replace("\n", " ")
 
 
 def scenarios_markdown() -> str:
@@ -41,6 +70,248 @@ def scenarios_markdown() -> str:
     return "\n\n".join(parts) + "\n"
 
 
+BOUNDS = {"max": "at most", "min": "at least", "flag": "flag: `true` gates it"}
+"""How each kind of budget bound reads in the table."""
+
+
+def budgets_markdown() -> str:
+    """Every budget: the scenarios it applies to, its bound, its unit and what it limits."""
+    lines = [
+        "| budget | scenarios | bound | unit | limits |",
+        "|---|---|---|---|---|",
+    ]
+    for f in fields(Budgets):
+        meta = f.metadata
+        scenarios = ", ".join(f"`{n}`" for n, s in SCENARIOS.items() if f.name in s.budgets)
+        unit = meta["unit"].strip() or "—"
+        if meta["bound"] != "flag" and meta["unit"].strip() in ("B", "B/token"):
+            unit += ' (or a size: `"6 MiB"`)'
+        lines.append(
+            f"| `{f.name}` | {scenarios} | {BOUNDS[meta['bound']]} | {_cell(unit)} | "
+            f"{_cell(meta['doc'])} (figure `{meta['metric']}`) |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+PROBE_PARAMS = {"cap": 255, "followup": "append"}
+"""Values the support probe gives parameters that have no default: a cap every engine accepts
+(llama-server's context is a multiple of 256 cells, and it shifts one token early) and a
+follow-up every engine can replay."""
+UNSUPPORTED = ("does not implement", "never evicts")
+"""What a refusal of an engine or policy says (any other refusal is a probe that lacks a
+parameter: the generator stops and names it)."""
+
+
+def _builds(scenario: Scenario[Any], engines: tuple[str, ...], kind: str | None) -> bool:
+    """Whether a check of ``scenario`` on ``engines`` with policy ``kind`` parses: the same
+    refusals a budgets file meets (``Scenario.build``), with the probe's parameters."""
+    params = {p.name: p.default for p in scenario.params}
+    params.update({k: v for k, v in PROBE_PARAMS.items() if params.get(k, 0) is None})
+    fields_ = Fields(engines=engines, policy=kind, baseline=None, params=params, base_dir=Path())
+    try:
+        scenario.build(fields_)
+    except KvguardError as exc:
+        if exc.key in ("policy", "engine", "engines") or any(w in str(exc) for w in UNSUPPORTED):
+            return False
+        raise RuntimeError(
+            f"the support probe could not build {scenario.name} on {', '.join(engines)} with "
+            f"policy {kind}: {exc} (give docs.PROBE_PARAMS a value for it)"
+        ) from exc
+    return True
+
+
+def support() -> dict[str, dict[str, list[str] | None]]:
+    """For each scenario and engine: the policy kinds a check may name there ([] for a
+    scenario that takes none), None where the engine cannot run the scenario."""
+    table: dict[str, dict[str, list[str] | None]] = {}
+    for name, scenario in SCENARIOS.items():
+        table[name] = {}
+        for engine in ENGINES:
+            pairs: list[tuple[str, ...]] = [(engine,)]
+            if scenario.engines == 2:  # the other engine: any the scenario runs on
+                pairs = [(engine, other) for other in ENGINES if other != engine]
+            kinds = list(POLICY_KINDS) if scenario.takes_policy else [None]
+            ok = [k for k in kinds if any(_builds(scenario, p, k) for p in pairs)]
+            table[name][engine] = [k for k in ok if k] if ok else None
+    return table
+
+
+def support_markdown() -> str:
+    """Scenarios x engines: the policies a check may name on each (— : not on that engine)."""
+    grid = support()
+    lines = [
+        "| scenario | " + " | ".join(f"`{e}`" for e in ENGINES) + " |",
+        "|---|" + "---|" * len(ENGINES),
+    ]
+    for name, row in grid.items():
+        cells = []
+        for engine in ENGINES:
+            kinds = row[engine]
+            if kinds is None:
+                cells.append("—")
+            else:
+                cells.append(", ".join(f"`{k}`" for k in kinds) if kinds else "yes (no policy)")
+        lines.append(f"| [`{name}`](scenarios/{name}.md) | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def check_keys_markdown() -> str:
+    """What each scenario's checks name: engine(s), policy, baseline; and its budgets."""
+    lines = [
+        "| scenario | engines | `policy` | `baseline` | budgets |",
+        "|---|---|---|---|---|",
+    ]
+    for name, scenario in SCENARIOS.items():
+        engines = "`engines`: two, reference first" if scenario.engines == 2 else "`engine`"
+        policy = (
+            "required"
+            if scenario.takes_policy
+            else "refused: " + _cell(scenario.no_policy[0] or "the scenario sets its own")
+        )
+        baseline = "default `full`" if scenario.takes_baseline else "refused"
+        budgets = ", ".join(f"`{b}`" for b in scenario.budgets)
+        lines.append(f"| `{name}` | {engines} | {policy} | {baseline} | {budgets} |")
+    return "\n".join(lines) + "\n"
+
+
+def engines_markdown() -> str:
+    """Every engine adapter: how to install it, what a model may be, its position handling,
+    and the policy kinds it implements per engine path."""
+    lines = [
+        "| engine | policies per engine path | positions (own first) | model | install |",
+        "|---|---|---|---|---|",
+    ]
+    for name, info in ENGINES.items():
+        paths = "; ".join(
+            f"{path}: " + ", ".join(f"`{k}`" for k in kinds)
+            for path, kinds in info.policies.items()
+        )
+        positions = ", ".join(f"`{p}`" for p in info.position_modes)
+        models = ", ".join(info.model_forms)
+        lines.append(f"| `{name}` | {paths} | {positions} | {models} | {_cell(info.install)} |")
+    return "\n".join(lines) + "\n"
+
+
+def policies_markdown() -> str:
+    """Every policy kind and position handling a check may name."""
+    lines = ["| policy | what stays in the cache |", "|---|---|"]
+    lines += [f"| `{k}` | {_cell(doc)} |" for k, doc in POLICY_KINDS.items()]
+    lines += ["", "| positions | after an eviction |", "|---|---|"]
+    lines += [f"| `{k}` | {_cell(doc)} |" for k, doc in POSITION_MODES.items()]
+    return "\n".join(lines) + "\n"
+
+
+class _Recorder:
+    """Stands in for pytest's parser: records what ``add_options`` declares."""
+
+    def __init__(self) -> None:
+        self.options: list[tuple[tuple[str, ...], dict[str, Any]]] = []
+        self.inis: dict[str, tuple[str, str | None]] = {}
+
+    def getgroup(self, name: str, description: str = "") -> _Recorder:
+        return self
+
+    def addoption(self, *names: str, **kwargs: Any) -> None:
+        self.options.append((names, kwargs))
+
+    def addini(self, name: str, help: str, type: str | None = None, default: Any = None) -> None:
+        self.inis[name] = (help, type)
+
+
+INI_TYPES = {"linelist": " (one per line)", "bool": " (true/false)"}
+
+
+def options_markdown() -> str:
+    """Every command-line option, its ini key and its help, as ``add_options`` declares them."""
+    recorder = _Recorder()
+    add_options(cast(Any, recorder))
+    lines = ["| option | ini key | meaning |", "|---|---|---|"]
+    for names, kwargs in recorder.options:
+        help_text = kwargs["help"]
+        ini = re.search(r"\(ini: (\w+)[^)]*\)\.?$", help_text)
+        assert ini, f"{names[0]}'s help names no ini key"
+        help_text = help_text[: ini.start()].rstrip()
+        help_text += "" if help_text.endswith(".") else "."
+        ini_name = ini.group(1)
+        metavar = kwargs.get("metavar")
+        option = " ".join([*names, metavar] if metavar else names)
+        ini_type = INI_TYPES.get(recorder.inis[ini_name][1] or "", "")
+        lines.append(f"| `{option}` | `{ini_name}`{ini_type} | {_cell(help_text)} |")
+    return "\n".join(lines) + "\n"
+
+
+def environment_names() -> dict[str, str]:
+    """Every environment variable kvguard reads, with what it does (a bundled model's
+    override once per bundled model)."""
+    names = dict(ENVIRONMENT)
+    for model in BUNDLED_MODELS:
+        names[env_var_for(model)] = MODEL_ENVIRONMENT.format(model=model)
+    return names
+
+
+def environment_markdown() -> str:
+    lines = ["| variable | meaning |", "|---|---|"]
+    lines += [f"| `{n}` | {_cell(doc)} |" for n, doc in environment_names().items()]
+    return "\n".join(lines) + "\n"
+
+
+SECTIONS: dict[str, Callable[[], str]] = {
+    "budgets": budgets_markdown,
+    "check-keys": check_keys_markdown,
+    "support": support_markdown,
+    "engines": engines_markdown,
+    "policies": policies_markdown,
+    "options": options_markdown,
+    "environment": environment_markdown,
+    "scenarios": scenarios_markdown,
+}
+"""Each generated table (by its marker name) and the function that renders it."""
+
+
+def stale_sections(text: str) -> list[str]:
+    """The sections whose copy in ``text`` differs from the code's (or is missing)."""
+    found = {m.group("name"): m.group("body") for m in SECTION.finditer(text)}
+    return [name for name, render in SECTIONS.items() if found.get(name) != render()]
+
+
+def regenerate(text: str) -> str:
+    """``text`` with every generated section's body replaced by the code's."""
+    return SECTION.sub(
+        lambda m: (
+            f"<!-- generated: {m.group('name')} -->\n{SECTIONS[m.group('name')]()}"
+            "<!-- end generated -->"
+        ),
+        text,
+    )
+
+
+def docs_main(argv: Sequence[str] | None = None) -> int:
+    """``kvguard-docs``: print every generated table; ``--check [FILE]``: exit 1 when a copy in
+    FILE (default docs/reference.md) is stale; ``--write [FILE]``: regenerate them there."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args:
+        for name, render in SECTIONS.items():
+            sys.stdout.write(f"<!-- generated: {name} -->\n{render()}<!-- end generated -->\n\n")
+        return 0
+    if args[0] not in ("--check", "--write") or len(args) > 2:
+        sys.stderr.write("usage: kvguard-docs [--check | --write] [FILE]\n")
+        return 2
+    path = Path(args[1]) if len(args) == 2 else REFERENCE
+    text = path.read_text(encoding="utf-8")
+    if args[0] == "--write":
+        missing = [n for n in SECTIONS if f"<!-- generated: {n} -->" not in text]
+        path.write_text(regenerate(text), encoding="utf-8")
+        if missing:
+            sys.stderr.write(f"{path} has no marker for: {', '.join(missing)}\n")
+            return 1
+        return 0
+    stale = stale_sections(text)
+    if stale:
+        sys.stderr.write(f"{path}: stale generated sections: {', '.join(stale)} (fix: {FIX})\n")
+        return 1
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``kvguard-scenarios``: the tables as Markdown; ``--schema``: the JSON report's schema."""
     args = sys.argv[1:] if argv is None else list(argv)
@@ -52,3 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         sys.stdout.write(scenarios_markdown())
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(docs_main())

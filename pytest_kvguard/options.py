@@ -43,6 +43,32 @@ ENVIRONMENT_OPTIONS = [
 ]  # fmt: skip
 """Options given once per engine: repeatable on the command line, one per line in the ini."""
 
+ENVIRONMENT = {
+    "KVGUARD_N_GPU_LAYERS": "layers llama.cpp offloads to a GPU (default 0; -1 for all)",
+    "KVGUARD_THREADS": "engine threads (default: all cores)",
+    "KVGUARD_LLAMA_LOG": "set to 1 to let llama.cpp log to stderr",
+    "KVGUARD_LLAMA_SERVER": "the `llama-server` binary engine `llama_server` starts (default: "
+    "the one beside the engine worker's Python, which `kvguard-build-llama-server` puts "
+    "there, then PATH)",
+    "KVGUARD_SERVER_START_TIMEOUT": "seconds a started llama-server gets to answer `/health` "
+    "(default 120)",
+    "KVGUARD_SERVER_TIMEOUT": "seconds one request to llama-server may take (default 600)",
+    "KVGUARD_CACHE": "where `kvguard-build-llama-server` caches the built binary (default "
+    "`$XDG_CACHE_HOME/kvguard`, else `~/.cache/kvguard`)",
+    "KVGUARD_MLX_BLAS": "`bundled` keeps mlx's reference BLAS on Linux (default: preload "
+    "OpenBLAS when installed)",
+    "KVGUARD_ENV_DIR": "where `kvguard-env` caches environments (default "
+    "`~/.cache/pytest-kvguard/envs`)",
+    "CMAKE_ARGS": "llama.cpp's build flags for `kvguard-build-llama-server` and `kvguard-env` "
+    "(default on x86-64: the instruction-set pins `.ci/install` uses)",
+    "XDG_CACHE_HOME": "the cache folder kvguard's caches go under (default `~/.cache`)",
+    "GITHUB_STEP_SUMMARY": "set by GitHub Actions: the tables are written there as Markdown",
+}
+"""Every environment variable kvguard reads and what it does (docs/reference.md's table; a
+test matches these names with those the package's code reads)."""
+MODEL_ENVIRONMENT = "use this GGUF file for the bundled model `{model}`"
+"""What ``models.env_var_for(name)`` does, once per bundled model."""
+
 
 def add_options(parser: pytest.Parser) -> None:
     """Every option in the kvguard group, each with its ini twin."""
@@ -60,10 +86,12 @@ def add_options(parser: pytest.Parser) -> None:
         "--kvguard-plot",
         action="store_true",
         default=None,
-        help="Also write PNG plots next to the JSON report: NAME.kv-bytes.png (KV bytes "
-        "against tokens fed, measured and predicted, per check) and NAME.sink-sweep.png "
-        "(post-eviction perplexity against sinks, for sweep checks). Needs --kvguard-json and "
-        "matplotlib (pytest-kvguard[plot]). Default: off (ini: kvguard_plot).",
+        help="Also write PNG plots next to the JSON report, one per plot the checks draw: "
+        "NAME.kv-bytes.png (KV bytes against tokens fed, measured and predicted, per check), "
+        "NAME.sink-sweep.png (post-eviction perplexity against sinks, for sweep checks) and "
+        "NAME.sink-heads.png (attention mass on the first tokens per layer and head, for "
+        "attention checks and explained red checks). Needs --kvguard-json and matplotlib "
+        "(pytest-kvguard[plot]). Default: off (ini: kvguard_plot).",
     )
     parser.addini("kvguard_plot", "As --kvguard-plot.", type="bool", default=False)
 

@@ -5,9 +5,9 @@ quick gate (README command 1) and the full bundled gate, then, for each,
 
 The report must be complete, passed and schema-valid, of the budgets file as it is now; each
 row must give the verdict its check expects with consistent figures (gate_invariants); checks
-that must agree across engines agree; and README's quoted output of that budgets file is what
-the report measured. Not part of the test suite (its name does not start with test_): it needs
-a report.
+that must agree across engines agree; and the quoted output of that budgets file, in README.md
+and docs/**/*.md, is what the report measured. Not part of the test suite (its name does not
+start with test_): it needs a report.
 """
 
 from __future__ import annotations
@@ -31,6 +31,12 @@ from gate_invariants import (
 
 from pytest_kvguard.budgets_file import BudgetsFile, load_budgets_file
 from pytest_kvguard.report import report_schema
+
+
+def documentation() -> str:
+    """README and every page of docs/: where quoted gate output may sit."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    return "\n".join(page.read_text(encoding="utf-8") for page in pages)
 
 
 def _report(config: pytest.Config) -> dict[str, Any]:
@@ -104,7 +110,7 @@ def test_readme_quotes_what_the_report_measured(
     report: dict[str, Any], budgets: BudgetsFile
 ) -> None:
     compared, drift, everything = readme_drift(
-        (ROOT / "README.md").read_text(encoding="utf-8"),
+        documentation(),
         str(budgets.path.relative_to(ROOT)),
         report["checks"],
         report["machine"],

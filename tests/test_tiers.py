@@ -171,7 +171,8 @@ def test_a_quoted_cell_may_differ_by_one_unit_of_its_last_decimal(
 
 
 def test_readme_quotes_the_output_of_both_gates_and_where_it_was_measured() -> None:
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]  # quotes may sit in docs
+    readme = "\n".join(page.read_text(encoding="utf-8") for page in pages)
     for file in ("fixtures/quick.yaml", "fixtures/budgets.yaml"):
         blocks = quoted_blocks(readme, file)
         assert blocks and all(where for _, where in blocks), file
