@@ -22,6 +22,7 @@ from typing import Any, cast
 
 from pytest_kvguard.budgets import Budgets
 from pytest_kvguard.engines import ENGINES
+from pytest_kvguard.engines.protocols import CAPABILITIES, PREFIX_CACHE_CAPABILITIES
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.models import BUNDLED_MODELS, env_var_for
 from pytest_kvguard.options import ENVIRONMENT, MODEL_ENVIRONMENT, add_options
@@ -178,8 +179,9 @@ def engines_markdown() -> str:
     """Every engine adapter: how to install it, what a model may be, its position handling,
     and the policy kinds it implements per engine path."""
     lines = [
-        "| engine | policies per engine path | positions (own first) | model | install |",
-        "|---|---|---|---|---|",
+        "| engine | policies per engine path | positions (own first) | model | capabilities "
+        "| install |",
+        "|---|---|---|---|---|---|",
     ]
     for name, info in ENGINES.items():
         paths = "; ".join(
@@ -188,7 +190,23 @@ def engines_markdown() -> str:
         )
         positions = ", ".join(f"`{p}`" for p in info.position_modes)
         models = ", ".join(info.model_forms)
-        lines.append(f"| `{name}` | {paths} | {positions} | {models} | {_cell(info.install)} |")
+        capabilities = ", ".join(f"`{c}`" for c in sorted(info.capabilities)) or "—"
+        lines.append(
+            f"| `{name}` | {paths} | {positions} | {models} | {capabilities} | "
+            f"{_cell(info.install)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def capabilities_markdown() -> str:
+    """Every optional capability an adapter (or its prefix cache) may have, from its protocol's
+    docstring, and the engines that declare it."""
+    lines = ["| capability | what it gives | engines |", "|---|---|---|"]
+    for name, protocol in {**CAPABILITIES, **PREFIX_CACHE_CAPABILITIES}.items():
+        doc = " ".join((protocol.__doc__ or "").split()).replace("``", "`")
+        doc = doc.split(": ", 1)[1] if doc.startswith(("Capability", "Prefix-cache")) else doc
+        engines = ", ".join(f"`{e}`" for e, i in ENGINES.items() if name in i.capabilities)
+        lines.append(f"| `{name}` | {_cell(doc)} | {engines or '—'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -260,6 +278,7 @@ SECTIONS: dict[str, Callable[[], str]] = {
     "check-keys": check_keys_markdown,
     "support": support_markdown,
     "engines": engines_markdown,
+    "capabilities": capabilities_markdown,
     "policies": policies_markdown,
     "options": options_markdown,
     "environment": environment_markdown,
