@@ -1,8 +1,9 @@
 """KV-cache capacity calculator: what each policy costs at each context length, without weights.
 
 Reads the architecture from a GGUF file or a Hugging Face ``config.json`` (``layer_types``,
-``sliding_window``, ``num_key_value_heads``, ``head_dim``) and predicts KV bytes per policy.
-llama.cpp's iSWA cache holds ``pad256(window x n_seq + n_ubatch)`` cells in each sliding layer.
+``sliding_window``, ``num_key_value_heads``, ``head_dim``) and predicts KV bytes per policy as
+llama.cpp holds them (``engines.llama_cpp.kv_size``). Each engine's prediction of a stream's
+KV bytes (the memory scenario's) lives in its own package; ``predict_engine_kv_bytes`` picks it.
 
     python -m pytest_kvguard.capacity MODEL.gguf|config.json [--contexts 512,1024] [--cap 256]
 """
@@ -14,9 +15,14 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 
 from tabulate import tabulate
 
+from pytest_kvguard.engines.kv_size import layer_bytes
+from pytest_kvguard.engines.llama_cpp import kv_size as llama_cpp_kv_size
+from pytest_kvguard.engines.llama_cpp.kv_size import predict_kv_bytes
+from pytest_kvguard.engines.mlx import kv_size as mlx_kv_size
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.models import ModelArch, read_arch
 from pytest_kvguard.policies import Policy
@@ -72,54 +78,16 @@ def load_arch(path: Path) -> ModelArch:
     return read_arch(path)
 
 
-def pad256(n: int) -> int:
-    return (n + 255) // 256 * 256
+KV_SIZES: dict[str, ModuleType] = {"llama_cpp": llama_cpp_kv_size, "mlx": mlx_kv_size}
+"""Each engine's own KV-size prediction (its package's ``kv_size``), by engine name."""
 
 
-def layer_bytes(arch: ModelArch, bytes_per_element: float) -> float:
-    """K and V of one token in one layer."""
-    return arch.n_kv_heads * (arch.head_dim_k + arch.head_dim_v) * bytes_per_element
-
-
-def swa_cells(arch: ModelArch, n_ubatch: int = 512, n_seq: int = 1) -> int:
-    """Cells llama.cpp's iSWA cache gives each sliding layer."""
-    assert arch.sliding_window is not None
-    return pad256(arch.sliding_window * n_seq + n_ubatch)
-
-
-def predict_kv_bytes(
-    arch: ModelArch,
-    n_tokens: int,
-    policy: str,
-    *,
-    cap: int | None = None,
-    bytes_per_element: float = 2.0,
-    n_ubatch: int = 512,
-    n_seq: int = 1,
-) -> float:
-    """KV bytes held after ``n_tokens`` under ``policy`` (full, window, sink, swa, swa_full).
-
-    window and sink hold ``cap`` entries in every layer (the sinks count inside the cap); swa
-    holds llama.cpp's iSWA cell count in sliding layers and everything in the others.
-    """
-    per_layer = layer_bytes(arch, bytes_per_element)
-    if policy in ("full", "swa_full"):
-        return arch.n_layers * n_tokens * per_layer
-    if policy in ("window", "sink"):
-        if cap is None:
-            raise KvguardError(f"policy '{policy}' needs a cap", fix="pass --cap")
-        return arch.n_layers * min(n_tokens, cap) * per_layer
-    if policy == "swa":
-        if arch.sliding_window is None:
-            return arch.n_layers * n_tokens * per_layer
-        sliding = sum(arch.swa_layers)
-        held = min(n_tokens, swa_cells(arch, n_ubatch, n_seq))
-        return (sliding * held + (arch.n_layers - sliding) * n_tokens) * per_layer
-    raise KvguardError(f"no prediction for policy '{policy}'", fix="use full, window, sink, swa")
-
-
-MLX_STEP = 256
-"""mlx-lm's KVCache grows its buffers in steps of this many tokens."""
+def rotating_capacity(engine: str, policy: Policy, arch: ModelArch) -> int | None:
+    """Entries a rotating cache of this policy holds on ``engine``: the cap, or where the
+    engine's sliding layers rotate (mlx-lm's swa) the model's window; None where nothing
+    rotates."""
+    module = KV_SIZES.get(engine)
+    return policy.cap if module is None else module.rotating_capacity(policy, arch)
 
 
 def predict_engine_kv_bytes(
@@ -132,43 +100,19 @@ def predict_engine_kv_bytes(
     n_ubatch: int = 512,
     last_call: int = 1,
 ) -> float:
-    """KV bytes an engine should report after ``n_tokens`` fed as the stream scenario feeds them.
-
-    llama.cpp (the context's state: cells in use): window/sink hold ``min(n, cap)`` cells in
-    every layer; full and swa let an iSWA model's sliding layers hold at most
-    ``pad256(window + n_ubatch)`` cells; swa_full holds everything.
-    mlx-lm (the caches' buffers): ``KVCache`` allocates in steps of 256 tokens;
-    ``RotatingKVCache`` (window, sink, a model's sliding layers) holds ``min(n, max_size)``
-    exactly when filled in chunks that fit, and ``max_size - 1 + last_call`` right after a
-    call of ``last_call`` > 1 tokens on a full cache (its chunked path appends the whole chunk
-    to the ``max_size - 1`` newest keys). engine_default is predicted as the cap applied, so an
-    engine that ignores the cap shows up as a deviation.
-    """
-
-    def rotating(max_size: int) -> int:
-        if engine == "mlx" and last_call > 1 and n_tokens - last_call >= max_size:
-            return max_size - 1 + last_call
-        return min(n_tokens, max_size)
-
-    per_layer = layer_bytes(arch, element_bytes)
-    sliding = arch.swa_layers if arch.sliding_window else (False,) * arch.n_layers
-    if policy.cap is not None:  # window, sink, engine_default
-        held = [rotating(policy.cap)] * arch.n_layers
-    elif engine == "llama_cpp":
-        limit = n_tokens
-        if arch.sliding_window and policy.kind != "swa_full":
-            limit = min(n_tokens, swa_cells(arch, n_ubatch))
-        held = [limit if slides else n_tokens for slides in sliding]
-    elif engine == "mlx":
-        stepped = -(-n_tokens // MLX_STEP) * MLX_STEP
-        window = arch.sliding_window or 0
-        if policy.kind == "swa":
-            held = [rotating(window) if slides else stepped for slides in sliding]
-        else:
-            held = [stepped] * arch.n_layers
-    else:
+    """KV bytes an engine should report after ``n_tokens`` fed as the stream scenario feeds
+    them, the last call ``last_call`` tokens: the engine's own prediction (its package's
+    ``kv_size``); on another engine, a capped policy's ``min(n, cap)`` entries per layer."""
+    module = KV_SIZES.get(engine)
+    if module is not None:
+        prediction: float = module.predict_stream_kv_bytes(
+            arch, n_tokens, policy, element_bytes=element_bytes, n_ubatch=n_ubatch,
+            last_call=last_call,
+        )  # fmt: skip
+        return prediction
+    if policy.cap is None:
         raise KvguardError(f"no KV prediction for engine '{engine}'")
-    return sum(held) * per_layer
+    return arch.n_layers * min(n_tokens, policy.cap) * layer_bytes(arch, element_bytes)
 
 
 def capacity_table(

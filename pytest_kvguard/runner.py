@@ -12,7 +12,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from pytest_kvguard.engines import Engine, EngineOptions, check_policy, load_engine
+from pytest_kvguard.engines import (
+    Engine,
+    EngineOptions,
+    GroupsStreams,
+    check_policy,
+    load_engine,
+)
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.models import ModelRef, file_sha256, read_arch
 from pytest_kvguard.outcome import Outcome
@@ -134,10 +140,10 @@ class Runner:
     def _companions(self, request: RunRequest, key: tuple[Any, ...]) -> list[RunRequest]:
         """Planned, not yet computed runs that can decode together with ``request``."""
         loaded = self.engine(request.engine, request.model)
-        group_key = getattr(loaded, "group_key", None)
-        if group_key is None or group_key(request.policy) is None:
+        if not isinstance(loaded, GroupsStreams) or loaded.group_key(request.policy) is None:
             return []
-        rows_keep_figures = bool(getattr(loaded, "group_figures_own", False))
+        group_key = loaded.group_key
+        rows_keep_figures = loaded.group_figures_own
         own = request.own_figures or key in self._own_figures
         if own and not rows_keep_figures:
             return []

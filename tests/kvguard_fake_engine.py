@@ -80,6 +80,10 @@ class FakeEngine:
     def open_prefix_cache(self, policy: Policy, max_tokens: int) -> FakePrefixCache:
         return FakePrefixCache(policy)
 
+    group_figures_own = False
+    """A row of a group runs alone when its own figures are asked for (as engines that cannot
+    measure a row's peak)."""
+
     def group_key(self, policy: Policy) -> tuple[str, int] | None:
         """Capped policies fed a token at a time, one group per cap (as both real engines)."""
         if policy.kind in ("sink", "window") and policy.chunk == 1 and policy.cap is not None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from pytest_kvguard.engines import AttentionRows
+from pytest_kvguard.engines import AttentionRows, ReadsAttention
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.models import ModelRef
 from pytest_kvguard.scenarios.base import (
@@ -198,18 +198,17 @@ def capture(
     check and an attention check of the same text share them), the ids fed, and whether they
     were computed now."""
     engine = ctx.engine(engine_name, model)
-    read = getattr(engine, "attention", None)
-    if read is None:
+    if not isinstance(engine, ReadsAttention):
         raise KvguardError(f"engine '{engine_name}' cannot expose its attention probabilities")
     # One id more where a leading BOS may be dropped.
     raw = ctx.token_ids(engine_name, model, text, spec.tokens + (spec.bos == "drop"))
-    ids = with_bos(raw, getattr(engine, "bos_id", None), spec.bos)[: spec.tokens]
+    ids = with_bos(raw, engine.bos_id, spec.bos)[: spec.tokens]
     key = ("attention", engine_name, str(model.resolve()), text.sha256, tuple(ids), spec.queries)
 
     def compute() -> AttentionRows:
         ctx.say(f"{engine_name}: reading attention of {len(spec.queries)} queries over "
                 f"{len(ids)} tokens")  # fmt: skip
-        rows: AttentionRows = read(ids, spec.queries)
+        rows: AttentionRows = engine.attention(ids, spec.queries)
         return rows
 
     rows, new = ctx.memo(key, compute)
@@ -299,7 +298,7 @@ class AttentionScenario(Scenario[AttentionSpec]):
         findings += capture_findings(rows, metrics["max_row_sum_error"])
         if rows.reconstruction_error is not None:
             metrics["reconstruction_error_ratio"] = rows.reconstruction_error
-        engine: Any = ctx.engine(check.engine, check.model)
+        engine = ctx.engine(check.engine, check.model)
         sink = ids[int(metrics["sink_position"])]
         return Measured(
             policy="full",
@@ -310,7 +309,7 @@ class AttentionScenario(Scenario[AttentionSpec]):
             tokens_per_second=spec.tokens / rows.seconds if rows.seconds else 0.0,
             detail=AttentionDetail(
                 sink_token=engine.token_piece(sink)
-                if hasattr(engine, "token_piece")
+                if isinstance(engine, ReadsAttention)
                 else str(sink),
                 first_ids=list(ids[:FIRST_K]),
                 queries=list(spec.queries),
@@ -343,8 +342,8 @@ def explain_sinks(ctx: Context, check: Check[Any], sinks_kept: int) -> dict[str,
     the ``attention`` scenario's defaults read them, on the check's text), and how many of
     those tokens the policy kept. None where the engine cannot expose its attention or the run
     is too short to tell."""
-    engine: Any = ctx.engine(check.engine, check.model)
-    if not hasattr(engine, "attention"):
+    engine = ctx.engine(check.engine, check.model)
+    if not isinstance(engine, ReadsAttention):
         return None
     text = load_text(check.spec.text, check.base_dir)
     tokens = min(ATTENTION_TOKENS.default, check.spec.tokens)

@@ -17,7 +17,13 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from pytest_kvguard.engines import Engine, engine_info
+from pytest_kvguard.engines import (
+    Engine,
+    ReplaysPrefix,
+    SnapshotsPrefix,
+    TokenizesChat,
+    engine_info,
+)
 from pytest_kvguard.errors import EngineError, KvguardError
 from pytest_kvguard.paths import resolve_under
 from pytest_kvguard.policies import DEFAULT_CHECKPOINT_STEP, Policy
@@ -200,18 +206,17 @@ def run_edit_replay(
             started = time.perf_counter()
             cache.extend(first_ids, 0)
             seconds = time.perf_counter() - started
-            save = getattr(cache, "save", None)
-            prefilled = None if save is None else save()
+            prefilled = cache.save() if isinstance(cache, SnapshotsPrefix) else None
         else:
-            cache.restore(prefilled)  # type: ignore[attr-defined]
+            assert isinstance(cache, SnapshotsPrefix)  # only a cache that saves has a prefill
+            cache.restore(prefilled)
             seconds = 0.0  # reused: reported as 0 s, like any run reused from earlier
         memory = cache.memory_bytes()
         started = time.perf_counter()
         split = common_prefix(first_ids, followup_ids)
-        served = getattr(cache, "replay", None)
-        if served is not None:
+        if isinstance(cache, ReplaysPrefix):
             # A server decides its own reuse when the follow-up arrives, and counts it.
-            reused, reprefilled, restored = served(followup_ids)
+            reused, reprefilled, restored = cache.replay(followup_ids)
             if reused > split:
                 raise EngineError(
                     f"the server reused {reused} tokens of a follow-up that shares only {split} "
@@ -320,9 +325,8 @@ class EditReplayScenario(Scenario[ReplaySpec]):
         chats = (history(conversation), followup(conversation, spec.followup, spec.message))
         # Engine openai takes the ids from its server (vLLM renders and tokenizes a chat in one
         # call) through tokenize_chat; the others render the template, then tokenize the text.
-        tokenize_chat = getattr(loaded, "tokenize_chat", None)
-        if tokenize_chat is not None:
-            first_ids, second_ids = (tokenize_chat(chat) for chat in chats)
+        if isinstance(loaded, TokenizesChat):
+            first_ids, second_ids = (loaded.tokenize_chat(chat) for chat in chats)
             first_text = json.dumps(chats[0])  # no rendered text: the messages stand for it
         else:
             first_text, second_text = (loaded.render_chat(chat) for chat in chats)

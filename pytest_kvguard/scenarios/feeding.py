@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pytest_kvguard.engines import Engine, Stream, StreamGroup
+from pytest_kvguard.engines import Engine, GroupsStreams, Stream, StreamGroup
 from pytest_kvguard.policies import Policy
 from pytest_kvguard.scoring import nll_of
 
@@ -249,8 +249,7 @@ def run_specs(
     """
     if not specs:
         return []
-    open_group = getattr(engine, "open_stream_group", None)
-    if len(specs) > 1 and open_group is None:
+    if len(specs) > 1 and not isinstance(engine, GroupsStreams):
         return [run_specs(engine, [spec], progress)[0] for spec in specs]
     started = time.perf_counter()
     group: StreamGroup | None = None
@@ -258,8 +257,10 @@ def run_specs(
         spec = specs[0]
         streams: Sequence[Stream] = [engine.open_stream(spec.policy, len(spec.token_ids))]
     else:
-        assert open_group is not None
-        group = open_group([spec.policy for spec in specs], max(len(s.token_ids) for s in specs))
+        assert isinstance(engine, GroupsStreams)
+        group = engine.open_stream_group(
+            [spec.policy for spec in specs], max(len(s.token_ids) for s in specs)
+        )
         streams = group.streams
     try:
         passes = [_Pass(stream, spec) for stream, spec in zip(streams, specs, strict=True)]

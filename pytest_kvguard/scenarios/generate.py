@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from pytest_kvguard.budgets import Budgets
-from pytest_kvguard.engines import check_chunk, engine_info
+from pytest_kvguard.engines import ReportsShifts, check_chunk, engine_info
 from pytest_kvguard.engines.conversation import plan_turns
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.models import ModelRef
@@ -138,7 +138,9 @@ def generation(
         seconds = time.perf_counter() - started
         ctx.say(f"{engine_name} {model.name} {policy.describe()}: {len(turns)} turns generated "
                 f"in {seconds:.1f} s")  # fmt: skip
-        return Generation(nll, seconds, tuple(getattr(engine, "last_shifts", ())))
+        return Generation(
+            nll, seconds, tuple(engine.last_shifts if isinstance(engine, ReportsShifts) else ())
+        )
 
     key = ("generate", engine_name, model.resolve(), text.sha256, tokens, policy, prompt, reply,
            prefill_step)  # fmt: skip

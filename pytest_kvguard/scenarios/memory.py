@@ -13,9 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pytest_kvguard.budgets import Budgets
-from pytest_kvguard.capacity import load_arch, predict_engine_kv_bytes
+from pytest_kvguard.capacity import load_arch, predict_engine_kv_bytes, rotating_capacity
 from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.models import ModelArch
 from pytest_kvguard.policies import Policy
 from pytest_kvguard.scenarios.base import (
     CAP,
@@ -132,16 +131,6 @@ def planned_calls(
         planned.fed += size
         ends[planned.fed] = size
     return ends
-
-
-def rotating_capacity(engine: str, policy: Policy, arch: ModelArch) -> int | None:
-    """Entries a rotating cache of this policy holds: the cap, or on mlx-lm's swa the model's
-    window (its sliding layers are rotating caches); None where nothing rotates."""
-    if policy.cap is not None:
-        return policy.cap
-    if engine == "mlx" and policy.kind == "swa":
-        return arch.sliding_window
-    return None
 
 
 def check_lengths(lengths: object) -> list[int]:

@@ -53,6 +53,8 @@ def _gguf_tokenizer(path: Path) -> Any:
 
 class MlxEngine:
     name = "mlx"
+    bos_id: int | None
+    """The vocabulary's BOS token (set when the model loads); None where it has none."""
 
     def __init__(self, model_path: Path, options: EngineOptions) -> None:
         self.model_path = model_path
@@ -63,7 +65,7 @@ class MlxEngine:
             self._encode = self._tokenizer.tokenize
             self._render = self._tokenizer.render_chat
             self._piece = self._tokenizer.token_piece
-            self.bos_id: int | None = self._tokenizer.bos_id
+            self.bos_id = self._tokenizer.bos_id
         else:
             # An mlx-lm model folder, or a hub id on machines that can reach the hub.
             from mlx_lm import load as mlx_load

@@ -67,6 +67,8 @@ class LlamaServerEngine:
     name = "llama_server"
     kv_element_bytes = 2.0
     """llama-server's default cache type, f16."""
+    last_shifts: list[tuple[int, int, int]]
+    """(n_keep, n_left, n_discard) of each shift in the last converse (a started server)."""
 
     def __init__(self, target: Path | str, options: EngineOptions) -> None:
         self.options = options
@@ -80,8 +82,7 @@ class LlamaServerEngine:
                              DEFAULT_REQUEST_TIMEOUT))  # fmt: skip
         self._props: dict[str, Any] | None = None
         self._adds_bos: bool | None = None
-        self.last_shifts: list[tuple[int, int, int]] = []
-        """(n_keep, n_left, n_discard) of each shift in the last converse (a started server)."""
+        self.last_shifts = []
 
     # -- servers ---------------------------------------------------------------------------
 

@@ -1,0 +1,82 @@
+"""The KV bytes llama.cpp holds, predicted from the architecture alone (no llama.cpp import).
+
+llama.cpp's iSWA cache holds ``pad256(window x n_seq + n_ubatch)`` cells in each sliding layer.
+"""
+
+from __future__ import annotations
+
+from pytest_kvguard.engines.kv_size import layer_bytes
+from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.models import ModelArch
+from pytest_kvguard.policies import Policy
+
+
+def pad256(n: int) -> int:
+    return (n + 255) // 256 * 256
+
+
+def swa_cells(arch: ModelArch, n_ubatch: int = 512, n_seq: int = 1) -> int:
+    """Cells llama.cpp's iSWA cache gives each sliding layer."""
+    assert arch.sliding_window is not None
+    return pad256(arch.sliding_window * n_seq + n_ubatch)
+
+
+def predict_kv_bytes(
+    arch: ModelArch,
+    n_tokens: int,
+    policy: str,
+    *,
+    cap: int | None = None,
+    bytes_per_element: float = 2.0,
+    n_ubatch: int = 512,
+    n_seq: int = 1,
+) -> float:
+    """KV bytes held after ``n_tokens`` under ``policy`` (full, window, sink, swa, swa_full).
+
+    window and sink hold ``cap`` entries in every layer (the sinks count inside the cap); swa
+    holds llama.cpp's iSWA cell count in sliding layers and everything in the others.
+    """
+    per_layer = layer_bytes(arch, bytes_per_element)
+    if policy in ("full", "swa_full"):
+        return arch.n_layers * n_tokens * per_layer
+    if policy in ("window", "sink"):
+        if cap is None:
+            raise KvguardError(f"policy '{policy}' needs a cap", fix="pass --cap")
+        return arch.n_layers * min(n_tokens, cap) * per_layer
+    if policy == "swa":
+        if arch.sliding_window is None:
+            return arch.n_layers * n_tokens * per_layer
+        sliding = sum(arch.swa_layers)
+        held = min(n_tokens, swa_cells(arch, n_ubatch, n_seq))
+        return (sliding * held + (arch.n_layers - sliding) * n_tokens) * per_layer
+    raise KvguardError(f"no prediction for policy '{policy}'", fix="use full, window, sink, swa")
+
+
+def rotating_capacity(policy: Policy, arch: ModelArch) -> int | None:
+    """Entries a capped cache holds: the cap; None where nothing is capped."""
+    return policy.cap
+
+
+def predict_stream_kv_bytes(
+    arch: ModelArch,
+    n_tokens: int,
+    policy: Policy,
+    *,
+    element_bytes: float,
+    n_ubatch: int = 512,
+    last_call: int = 1,
+) -> float:
+    """The context's state after ``n_tokens`` fed as the stream scenario feeds them (cells in
+    use): window/sink hold ``min(n, cap)`` cells in every layer; full and swa let an iSWA
+    model's sliding layers hold at most ``pad256(window + n_ubatch)`` cells; swa_full holds
+    everything. ``last_call`` does not matter: llama.cpp evicts before a call."""
+    per_layer = layer_bytes(arch, element_bytes)
+    sliding = arch.swa_layers if arch.sliding_window else (False,) * arch.n_layers
+    if policy.cap is not None:  # window, sink, engine_default
+        held = [min(n_tokens, policy.cap)] * arch.n_layers
+    else:
+        limit = n_tokens
+        if arch.sliding_window and policy.kind != "swa_full":
+            limit = min(n_tokens, swa_cells(arch, n_ubatch))
+        held = [limit if slides else n_tokens for slides in sliding]
+    return sum(held) * per_layer

@@ -1,0 +1,150 @@
+"""The package's shape: no import loops, engines that have what they declare, no module too long."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import typing
+from pathlib import Path
+
+import pytest
+
+from pytest_kvguard.engines import CAPABILITIES, ENGINES, PREFIX_CACHE_CAPABILITIES, EngineInfo
+from pytest_kvguard.engines.registry import require_installed
+from pytest_kvguard.errors import KvguardError
+
+PACKAGE = Path(__file__).resolve().parents[1] / "pytest_kvguard"
+MAX_LINES = 450
+
+
+def module_names() -> dict[str, Path]:
+    """Every module of the package by its dotted name (a package by its own name)."""
+    names = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        names[".".join(parts)] = path
+    return names
+
+
+def type_checking_nodes(tree: ast.AST) -> set[int]:
+    """Nodes under ``if TYPE_CHECKING:``: never run, so they cannot close a loop at import."""
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped.update(id(n) for n in ast.walk(node))
+    return skipped
+
+
+def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package's modules that ``name`` imports, at module level or inside functions."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    skipped = type_checking_nodes(tree)
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name in modules)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+                package = package[: len(package) - node.level + 1]
+                base = ".".join([*package, base] if base else package)
+            for alias in node.names:
+                # `from package import module` imports the module; `from module import name`
+                # the module that defines the name.
+                full = f"{base}.{alias.name}"
+                found.add(full if full in modules else base)
+    return {m for m in found if m in modules and m != name}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import loop, as the modules along it (the first repeated at the end), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        state[module] = 1
+        path.append(module)
+        for target in sorted(graph[module]):
+            if state.get(target) == 1:
+                return [*path[path.index(target) :], target]
+            if target not in state and (cycle := visit(target)):
+                return cycle
+        path.pop()
+        state[module] = 2
+        return None
+
+    for module in sorted(graph):
+        if module not in state and (cycle := visit(module)):
+            return cycle
+    return None
+
+
+def test_the_import_graph_has_no_loops() -> None:
+    modules = module_names()
+    graph = {name: imports_of(name, path, modules) for name, path in modules.items()}
+    assert graph["pytest_kvguard.engines.llama_cpp.engine"] >= {
+        "pytest_kvguard.engines.llama_cpp.group", "pytest_kvguard.engines.llama_cpp.attention"
+    }  # the parser sees imports (else an empty graph would pass)  # fmt: skip
+    cycle = find_cycle(graph)
+    assert cycle is None, "import loop: " + " -> ".join(cycle or [])
+
+
+def test_a_loop_is_found_and_named() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}
+    assert find_cycle(graph) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def protocol_members(protocol: type) -> set[str]:
+    """What a class must have to implement ``protocol``: its methods, properties and fields."""
+    own = {n for n in vars(protocol) if not n.startswith("_")}
+    return own | set(getattr(protocol, "__annotations__", {}))
+
+
+def implements(cls: type, protocol: type) -> bool:
+    """Whether the class itself (not an instance) has every member the protocol asks for; a
+    field counts when the class declares it."""
+    declared = typing.get_type_hints(cls)
+    return all(hasattr(cls, m) or m in declared for m in protocol_members(protocol))
+
+
+def adapter_class(info: EngineInfo) -> type:
+    """The engine class an adapter's ``load`` returns."""
+    module = importlib.import_module(info.module)
+    cls = typing.get_type_hints(module.load)["return"]
+    assert isinstance(cls, type)
+    return cls
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_each_engine_has_exactly_the_capabilities_it_declares(engine: str) -> None:
+    info = ENGINES[engine]
+    try:
+        require_installed(engine)
+    except KvguardError:
+        pytest.skip(f"engine '{engine}' is not installed")
+    unknown = info.capabilities - set(CAPABILITIES) - set(PREFIX_CACHE_CAPABILITIES)
+    assert not unknown, f"{engine} declares capabilities no protocol defines: {unknown}"
+    cls = adapter_class(info)
+    has = {name for name, protocol in CAPABILITIES.items() if implements(cls, protocol)}
+    cache = typing.get_type_hints(cls.open_prefix_cache)["return"]  # type: ignore[attr-defined]
+    has |= {n for n, protocol in PREFIX_CACHE_CAPABILITIES.items() if implements(cache, protocol)}
+    assert has == info.capabilities, (
+        f"{engine}: {cls.__name__} implements {sorted(has)}, "
+        f"the registry declares {sorted(info.capabilities)}"
+    )
+
+
+def test_no_module_is_over_450_lines() -> None:
+    lengths = {
+        str(path.relative_to(PACKAGE.parent)): len(path.read_text(encoding="utf-8").splitlines())
+        for path in module_names().values()
+    }
+    assert lengths, "no modules found"
+    too_long = {path: n for path, n in sorted(lengths.items()) if n > MAX_LINES}
+    assert not too_long, f"modules over {MAX_LINES} lines: {too_long}"
