@@ -19,7 +19,7 @@ Everything is measured through the server's own API:
 - **memory**: the KV buffer llama.cpp logs when the server creates its context and the
   checkpoint sizes it logs (a server kvguard started; an existing one's log is not ours).
 
-The process and HTTP plumbing is in ``llama_server_process``: no engine package is needed.
+The process and HTTP plumbing is in ``process``: no engine package is needed.
 """
 
 from __future__ import annotations
