@@ -177,7 +177,8 @@ def _build(
                 f"params.{key}"
             )
     values = {n: p.read(params[n]) if n in params else p.default for n, p in table.items()}
-    spec = scenario.build(Fields(engines, policy, baseline, values, base_dir))
+    fields = Fields(engines, policy, baseline, values, base_dir, kind, scenario.engine_path)
+    spec = scenario.build(fields)
 
     if marker_budgets is None:
         budgets = _file_budgets(entry, defaults, kind, scenario.budgets, lines)

@@ -108,7 +108,8 @@ def _builds(scenario: Scenario[Any], engines: tuple[str, ...], kind: str | None)
     refusals a budgets file meets (``Scenario.build``), with the probe's parameters."""
     params = {p.name: p.default for p in scenario.params}
     params.update({k: v for k, v in PROBE_PARAMS.items() if params.get(k, 0) is None})
-    fields_ = Fields(engines=engines, policy=kind, baseline=None, params=params, base_dir=Path())
+    fields_ = Fields(engines=engines, policy=kind, baseline=None, params=params, base_dir=Path(),
+                     scenario=scenario.name, engine_path=scenario.engine_path)  # fmt: skip
     try:
         scenario.build(fields_)
     except KvguardError as exc:

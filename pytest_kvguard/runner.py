@@ -172,7 +172,7 @@ class Runner:
         score: bool = True,
     ) -> tuple[StreamRun, bool]:
         """The run, and whether it was computed now (False: reused from this session)."""
-        check_policy(engine, policy, "stream" if score else "memory")  # direct callers too
+        check_policy(engine, policy, "feed" if score else "feed_unscored")  # direct callers too
         # An unscored run is a memory run: its peak is a figure of its check, planned or not.
         request = RunRequest(engine, model, policy, TextFeed(text, count), tuple(lengths),
                              0 if score else None, own_figures=not score)  # fmt: skip

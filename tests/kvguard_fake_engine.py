@@ -37,10 +37,10 @@ INFO = EngineInfo(
     "pytest-kvguard",
     "it ships with the tests",
     policies={
-        "stream": ("full", "window", "sink"),
-        "memory": ("full", "window", "sink"),
-        "edit_replay": ("full", "swa"),
-        "generate": ("window", "sink"),
+        "feed": ("full", "window", "sink"),
+        "feed_unscored": ("full", "window", "sink"),
+        "prefix_cache": ("full", "swa"),
+        "generation": ("window", "sink"),
     },
 )
 

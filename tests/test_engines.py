@@ -20,7 +20,9 @@ def test_mlx_evicts_one_token_per_step() -> None:
 
 
 def test_llama_cpp_has_no_engine_default_yet() -> None:
-    with pytest.raises(KvguardError, match="does not implement policy 'engine_default' for stream"):
+    with pytest.raises(
+        KvguardError, match="does not implement policy 'engine_default' for the feed path"
+    ):
         check_policy("llama_cpp", make_policy("engine_default", cap=256))
 
 

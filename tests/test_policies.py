@@ -54,5 +54,5 @@ def test_llama_cpp_takes_at_most_its_batch_per_call() -> None:
     check_policy("mlx", make_policy("sink", cap=2048, chunk=513, positions="absolute"))
     # llama.cpp trims its iSWA cache inside llama_decode: there is no full cache to chunk into.
     with pytest.raises(KvguardError, match="trims its 'swa' cache inside each decode call"):
-        check_policy("llama_cpp", make_policy("swa", chunk=64), "memory")
-    check_policy("mlx", make_policy("swa", chunk=64, positions="absolute"), "memory")
+        check_policy("llama_cpp", make_policy("swa", chunk=64), "feed_unscored")
+    check_policy("mlx", make_policy("swa", chunk=64, positions="absolute"), "feed_unscored")

@@ -240,7 +240,7 @@ class ReplaysPrefix(Protocol):
 
 
 CAPABILITIES: dict[str, type] = {
-    "attention": ReadsAttention,
+    "reads_attention": ReadsAttention,
     "groups": GroupsStreams,
     "chat_ids": TokenizesChat,
     "shifts": ReportsShifts,

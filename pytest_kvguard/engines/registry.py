@@ -30,9 +30,10 @@ class EngineInfo:
     distribution: str
     install: str
     policies: Mapping[str, tuple[str, ...]] = field(
-        default_factory=lambda: {"stream": ("full", "window", "sink")}
+        default_factory=lambda: {"feed": ("full", "window", "sink")}
     )
-    """Policy kinds the adapter implements, per scenario."""
+    """Policy kinds the adapter implements, per engine path (``support.ENGINE_PATHS``: how a
+    scenario drives the engine)."""
     position_modes: tuple[str, ...] = ("reindexed", "absolute")
     """Position handling it supports; the first is its own (the default)."""
 
@@ -75,14 +76,14 @@ ENGINES: dict[str, EngineInfo] = {
             'CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON '
             '-DGGML_F16C=ON" pip install "pytest-kvguard[llama]"',
             policies={
-                "stream": ("full", "window", "sink"),
-                "memory": ("full", "window", "sink", "swa", "swa_full"),
-                "edit_replay": ("full", "swa", "swa_full"),
-                "generate": ("window", "sink"),
+                "feed": ("full", "window", "sink"),
+                "feed_unscored": ("full", "window", "sink", "swa", "swa_full"),
+                "prefix_cache": ("full", "swa", "swa_full"),
+                "generation": ("window", "sink"),
             },
             max_chunk=512,
             self_evicting=("swa",),
-            capabilities=frozenset({"attention", "groups", "snapshot"}),
+            capabilities=frozenset({"reads_attention", "groups", "snapshot"}),
         ),
         EngineInfo(
             "mlx",
@@ -91,15 +92,15 @@ ENGINES: dict[str, EngineInfo] = {
             "mlx-lm",
             'pip install "pytest-kvguard[mlx]"',
             policies={
-                "stream": ("full", "window", "sink", "swa", "engine_default"),
-                "memory": ("full", "window", "sink", "swa", "engine_default"),
-                "edit_replay": ("full", "swa"),
-                "generate": ("window", "sink", "engine_default"),
+                "feed": ("full", "window", "sink", "swa", "engine_default"),
+                "feed_unscored": ("full", "window", "sink", "swa", "engine_default"),
+                "prefix_cache": ("full", "swa"),
+                "generation": ("window", "sink", "engine_default"),
             },
             position_modes=("absolute",),
             fixed_evict_step=1,
             model_forms=("gguf", "folder", "hub"),
-            capabilities=frozenset({"attention", "groups"}),
+            capabilities=frozenset({"reads_attention", "groups"}),
         ),
         EngineInfo(
             "llama_server",
@@ -108,8 +109,8 @@ ENGINES: dict[str, EngineInfo] = {
             "llama-server",
             "bash .ci/install (builds llama-server into .venv/bin), or set KVGUARD_LLAMA_SERVER",
             policies={
-                "edit_replay": ("full", "swa", "swa_full"),
-                "generate": ("window", "sink", "engine_default"),
+                "prefix_cache": ("full", "swa", "swa_full"),
+                "generation": ("window", "sink", "engine_default"),
             },
             position_modes=("reindexed",),
             model_forms=("gguf", "url"),
@@ -125,7 +126,7 @@ ENGINES: dict[str, EngineInfo] = {
             "nothing to install: start the server (vLLM, SGLang, llama-server) and give "
             "model: http://HOST:PORT",
             # The server's own cache, whatever it was started with: the policy labels it.
-            policies={"edit_replay": ("full", "swa")},
+            policies={"prefix_cache": ("full", "swa")},
             position_modes=("reindexed",),
             model_forms=("url",),
             remote=True,

@@ -2,10 +2,8 @@
 scenario path x engine x policy kind (from ``registry.ENGINES``), and every refusal of a
 policy, position handling, eviction step or ``chunk`` an engine cannot run.
 
-An engine path is how a scenario drives the engine: ``stream`` and ``memory`` feed kvguard's own
-loop (``Engine.open_stream``), ``edit_replay`` a prefix cache, ``generate`` the engine's own
-generation (``Engine.converse``), ``attention`` its attention probabilities (capability
-``attention``).
+An engine path is how a scenario drives the engine (``ENGINE_PATHS``); each scenario names its
+own (``Scenario.engine_path``), and the engines name none.
 """
 
 from __future__ import annotations
@@ -13,6 +11,17 @@ from __future__ import annotations
 from pytest_kvguard.engines.registry import ENGINES, engine_info
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.policies import Policy
+
+ENGINE_PATHS = {
+    "feed": "kvguard's own loop feeds the engine and scores every next token (Engine.open_stream)",
+    "feed_unscored": "kvguard's own loop feeds the engine for its memory figures only, no "
+    "logits read (Engine.open_stream)",
+    "prefix_cache": "a cached prompt replayed after an edit (Engine.open_prefix_cache)",
+    "generation": "the engine's own generation (Engine.converse)",
+    "reads_attention": "the engine's attention probabilities under the full cache "
+    "(capability reads_attention)",
+}
+"""How a scenario may drive an engine, and what that path calls."""
 
 
 def support_table() -> list[tuple[str, str, tuple[str, ...]]]:
@@ -24,26 +33,30 @@ def support_table() -> list[tuple[str, str, tuple[str, ...]]]:
     ]
     # Attention is read under the full cache, from engines that expose it.
     rows += [
-        ("attention", i.name, ("full",)) for i in ENGINES.values() if "attention" in i.capabilities
+        ("reads_attention", i.name, ("full",))
+        for i in ENGINES.values()
+        if "reads_attention" in i.capabilities
     ]
     return sorted(rows)
 
 
-def check_policy_kind(name: str, kind: str, scenario: str) -> None:
-    """Refuse a policy kind the engine's adapter does not implement for this scenario."""
-    kinds = engine_info(name).policies.get(scenario, ())
+def check_policy_kind(name: str, kind: str, path: str, scenario: str = "") -> None:
+    """Refuse a policy kind the engine's adapter does not implement on this engine path; the
+    message names the check's scenario where it is given."""
+    kinds = engine_info(name).policies.get(path, ())
+    what = f"{scenario} checks" if scenario else f"the {path} path"
     if kind not in kinds:
         raise KvguardError(
-            f"engine '{name}' does not implement policy '{kind}' for {scenario}",
-            fix="use one of " + ", ".join(kinds) if kinds else f"use another engine for {scenario}",
+            f"engine '{name}' does not implement policy '{kind}' for {what}",
+            fix="use one of " + ", ".join(kinds) if kinds else f"use another engine for {what}",
         )
 
 
-def check_policy(name: str, policy: Policy, scenario: str = "stream") -> None:
+def check_policy(name: str, policy: Policy, path: str = "feed", scenario: str = "") -> None:
     """Refuse a policy, position handling, eviction step or chunk the engine's adapter cannot
-    run."""
+    run on this engine path."""
     info = engine_info(name)
-    check_policy_kind(name, policy.kind, scenario)
+    check_policy_kind(name, policy.kind, path, scenario)
     check_chunk(policy.chunk, policy, name)
     if policy.bounded and policy.positions not in info.position_modes:
         raise KvguardError(

@@ -116,6 +116,10 @@ class Fields:
     """Every parameter of the scenario's table: the value given, or the table's default."""
     base_dir: Path
     """Where relative text and chat files are found."""
+    scenario: str = ""
+    """The check's scenario, for messages."""
+    engine_path: str = "feed"
+    """How the scenario drives the engine (``Scenario.engine_path``)."""
 
     @property
     def engine(self) -> str:
@@ -126,17 +130,15 @@ class Fields:
         value: str | None = self.params.get("positions")
         return engine_info(self.engine).native_positions if value is None else value
 
-    def policy_of(
-        self, key: str, kind: str, engine_scenario: str = "stream", *, with_params: bool = True
-    ) -> Policy:
+    def policy_of(self, key: str, kind: str, *, with_params: bool = True) -> Policy:
         """The policy ``kind`` with this check's cap, sinks, positions and eviction step (with
-        ``with_params=False``: none of them), which every engine of the check must implement;
-        errors point at ``key``."""
+        ``with_params=False``: none of them), which every engine of the check must implement
+        on the scenario's engine path; errors point at ``key``."""
         p = self.params if with_params else {}
         try:
             if kind in POLICY_KINDS:  # the engine's refusal says more than make_policy's
                 for engine in self.engines:
-                    check_policy_kind(engine, kind, engine_scenario)
+                    check_policy_kind(engine, kind, self.engine_path, self.scenario)
             policy = make_policy(
                 kind,
                 cap=p.get("cap"),
@@ -148,7 +150,7 @@ class Fields:
                 chunk=p.get("chunk", 1),
             )
             for engine in self.engines:
-                check_policy(engine, policy, engine_scenario)
+                check_policy(engine, policy, self.engine_path, self.scenario)
         except KvguardError as exc:
             raise exc.keyed(key) from None
         # A baseline of full may share the check's chunk; a candidate that drops it may not.
@@ -335,6 +337,9 @@ class Scenario(ABC, Generic[SpecT]):
     """Where no policy is taken: why a ``policy`` key is refused, and the fix."""
     takes_baseline: ClassVar[bool] = False
     """Whether the check names a baseline policy (default ``full``)."""
+    engine_path: ClassVar[str] = "feed"
+    """How the scenario drives the engine (``engines.support.ENGINE_PATHS``): which of the
+    engine's policy kinds a check may name."""
     serves_running_server: ClassVar[bool] = False
     """Whether a check may name a running server's URL as its model: the HTTP API gives what
     the scenario needs (no logits, no cache access, no restart with another context)."""

@@ -284,13 +284,14 @@ class EditReplayScenario(Scenario[ReplaySpec]):
     )  # fmt: skip
     budgets = ("max_reprefill_tokens", "max_reprefill_fraction", "min_reused_tokens",
                "max_memory_bytes")  # fmt: skip
+    engine_path = "prefix_cache"
     detail_type = ReplayDetail
     serves_running_server = True
 
     def build(self, fields: Fields) -> ReplaySpec:
         assert fields.policy is not None
         p = fields.params
-        policy = fields.policy_of("policy", fields.policy, "edit_replay")
+        policy = fields.policy_of("policy", fields.policy)
         if policy.checkpoints and engine_info(fields.engine).remote:
             raise KvguardError(
                 f"engine {fields.engine} talks to a running server whose checkpoints are its own "

@@ -95,7 +95,7 @@ class GenerateDetail:
 
 def streams_through(engine: str) -> bool:
     """Whether kvguard's own decode loop runs on the engine (a server has none)."""
-    return "stream" in engine_info(engine).policies
+    return "feed" in engine_info(engine).policies
 
 
 def post_cap_ppl(nll: np.ndarray, scored: np.ndarray) -> float:
@@ -152,11 +152,12 @@ class GenerateScenario(Scenario[GenerateSpec]):
     summary = "the engine's own generate call past capacity: prompts prefilled, replies scored"
     params = (TOKENS, CAP, SINKS, POSITIONS, EVICT_STEP, PROMPT, REPLY, PREFILL_STEP, TEXT)
     budgets = ("max_ppl_increase_pct", "max_post_eviction_ppl", "max_chunk_gap_pct")
+    engine_path = "generation"
     detail_type = GenerateDetail
 
     def build(self, fields: Fields) -> GenerateSpec:
         assert fields.policy is not None
-        policy = fields.policy_of("policy", fields.policy, "generate")
+        policy = fields.policy_of("policy", fields.policy)
         p = fields.params
         check_reaches_eviction(policy, p["tokens"])
         assert policy.cap is not None  # window, sink and engine_default all take one

@@ -194,6 +194,7 @@ class MemoryScenario(Scenario[MemorySpec]):
         "max_kv_entries", "max_kv_bytes", "max_peak_memory_bytes", "bounded",
         "max_kv_bytes_per_token", "max_kv_deviation_pct",
     )  # fmt: skip
+    engine_path = "feed_unscored"
     detail_type = MemoryDetail
 
     def panels(self, outcome: Any) -> list[Panel]:
@@ -201,7 +202,7 @@ class MemoryScenario(Scenario[MemorySpec]):
 
     def build(self, fields: Fields) -> MemorySpec:
         assert fields.policy is not None
-        policy = fields.policy_of("policy", fields.policy, "memory")
+        policy = fields.policy_of("policy", fields.policy)
         lengths = tuple(check_lengths(fields.params["lengths"]))
         require_text_room(fields, lengths[-1], "params.lengths")
         return MemorySpec(policy, lengths, fields.text_name())

@@ -279,7 +279,8 @@ class SweepScenario(Scenario[SweepSpec]):
         try:
             for _, _, policy in spec.policies():
                 for engine in fields.engines:
-                    check_policy(engine, policy, "generate" if served else "stream")
+                    path = "generation" if served else "feed"
+                    check_policy(engine, policy, path, fields.scenario)
             check_reaches_eviction(spec.policies()[-1][2], spec.tokens)
         except KvguardError as exc:
             raise exc.keyed("params.positions") from None
