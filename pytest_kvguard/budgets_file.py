@@ -41,7 +41,12 @@ from pytest_kvguard.baseline import Tolerance, parse_tolerance, tolerances
 from pytest_kvguard.budgets import unknown_key_error
 from pytest_kvguard.checks import DEFAULT_KEYS, Written, build_check
 from pytest_kvguard.engines import engine_info
-from pytest_kvguard.environments import EVERY_ENGINE, check_python
+from pytest_kvguard.environments import (
+    EVERY_ENGINE,
+    Environments,
+    check_python,
+    engine_environments,
+)
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.scenarios.base import Check
 
@@ -74,16 +79,16 @@ class BudgetsFile:
     checks: tuple[Check[Any], ...]
     baseline_tolerances: dict[str, Tolerance] = field(default_factory=lambda: tolerances({}))
     """How far each figure may move against --kvguard-baseline (defaults + the file's own)."""
-    engine_python: dict[str, str] = field(default_factory=dict)
-    """Engine -> the interpreter of the environment it runs in (``engine_python:``)."""
-    against: dict[str, str] = field(default_factory=dict)
-    """Engine (or ``*``) -> the interpreter of the upgrade preview's other run (``against:``)."""
+    environments: Environments = field(default_factory=Environments)
+    """The file's own ``engine_python:`` (engine -> the interpreter of the environment it runs
+    in) and ``against:`` (engine or ``*`` -> the upgrade preview's other run), before the
+    command line's (``engine_environments`` puts those over these)."""
 
 
-def load_budgets_file(path: Path, installed_elsewhere: frozenset[str] = frozenset()) -> BudgetsFile:
+def load_budgets_file(path: Path, command_line: Environments | None = None) -> BudgetsFile:
     """Parse and validate a budgets file; every problem is a KvguardError naming file and line.
-    Engines in ``installed_elsewhere`` (or the file's ``engine_python:``) run in another
-    environment and need not be installed in this one."""
+    Engines given an environment (on the ``command_line`` or in the file's ``engine_python:``)
+    run in another environment and need not be installed in this one."""
     try:
         raw_bytes = path.read_bytes()
     except OSError as exc:
@@ -132,7 +137,9 @@ def load_budgets_file(path: Path, installed_elsewhere: frozenset[str] = frozense
             fix="add at least one check under 'checks:'",
         )
     engine_python = _pythons(document, "engine_python", path)
-    elsewhere = installed_elsewhere | frozenset(engine_python)
+    elsewhere = frozenset(
+        engine_environments(command_line or Environments(), Environments(engine_python)).python
+    )
     checks: list[Check[Any]] = []
     seen: dict[str, int | None] = {}
     for index, entry in enumerate(entries):
@@ -168,8 +175,7 @@ def load_budgets_file(path: Path, installed_elsewhere: frozenset[str] = frozense
         hashlib.sha256(raw_bytes).hexdigest(),
         tuple(checks),
         _baseline_tolerances(document, path),
-        engine_python,
-        _pythons(document, "against", path),
+        Environments(engine_python, _pythons(document, "against", path)),
     )
 
 

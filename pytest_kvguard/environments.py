@@ -100,6 +100,20 @@ class Environments:
         return chosen[0], None
 
 
+def engine_environments(
+    command_line: Environments, budgets_file: Environments | None = None
+) -> Environments:
+    """Where each engine runs and the preview's other run: the command line (or ini) over the
+    budgets file's ``engine_python:`` and ``against:``, engine by engine. The one place the two
+    are merged (the budgets file's parser and the plugin both call it)."""
+    if budgets_file is None:
+        return command_line
+    return Environments(
+        {**budgets_file.python, **command_line.python},
+        {**budgets_file.against, **command_line.against},
+    )
+
+
 def version_in(python: str, engine: str) -> str | None:
     """The engine's version in that interpreter's environment (read there, nothing imported)."""
     if python == sys.executable:

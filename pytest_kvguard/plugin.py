@@ -15,10 +15,16 @@ import pytest
 
 from pytest_kvguard.baseline import load_baseline
 from pytest_kvguard.budgets import Budgets
-from pytest_kvguard.budgets_file import BudgetsFile, load_budgets_file
+from pytest_kvguard.budgets_file import load_budgets_file
 from pytest_kvguard.engines import ENGINES, installed_version
 from pytest_kvguard.engines.blas import preload_openblas
-from pytest_kvguard.environments import EVERY_ENGINE, Environments, parse_assignments, version_in
+from pytest_kvguard.environments import (
+    EVERY_ENGINE,
+    Environments,
+    engine_environments,
+    parse_assignments,
+    version_in,
+)
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.faults import fault
 from pytest_kvguard.fixture import KvguardFixture
@@ -90,18 +96,17 @@ def pytest_configure(config: pytest.Config) -> None:
         if baseline_path is not None:
             config.stash[BASELINE_KEY] = load_baseline(baseline_path)
         budgets_path = path_setting(config, "kvguard_budgets")
-        command_line_pythons = parse_assignments(
-            list_setting(config, "kvguard_engine_python"), "--kvguard-engine-python"
-        )
+        command_line = _command_line_environments(config)
         if budgets_path is not None:
-            elsewhere = frozenset(command_line_pythons)
-            budgets_file = load_budgets_file(budgets_path, installed_elsewhere=elsewhere)
+            budgets_file = load_budgets_file(budgets_path, command_line)
             for check in budgets_file.checks:
                 try:
                     check.model.resolve()  # a missing model fails now, not mid-run
                 except KvguardError as exc:
                     raise KvguardError(f"{check.where}: {exc}") from None
-        environments = _environments(config, budgets_file, command_line_pythons)
+        environments = engine_environments(
+            command_line, budgets_file.environments if budgets_file else None
+        )
     except KvguardError as exc:
         raise pytest.UsageError(str(exc)) from None
     if environments.against and BASELINE_KEY in config.stash:
@@ -121,20 +126,14 @@ def pytest_configure(config: pytest.Config) -> None:
         config.args.append(collect)
 
 
-def _environments(
-    config: pytest.Config, budgets_file: BudgetsFile | None, command_line_pythons: dict[str, str]
-) -> Environments:
-    """Where each engine runs and the preview's other run: the command line (or ini) over the
-    budgets file, engine by engine."""
-    python = dict(budgets_file.engine_python) if budgets_file else {}
-    against = dict(budgets_file.against) if budgets_file else {}
-    python.update(command_line_pythons)
-    against.update(
+def _command_line_environments(config: pytest.Config) -> Environments:
+    """--kvguard-engine-python and --kvguard-against (or their ini keys), each checked."""
+    return Environments(
+        parse_assignments(list_setting(config, "kvguard_engine_python"), "--kvguard-engine-python"),
         parse_assignments(
             list_setting(config, "kvguard_against"), "--kvguard-against", every_engine=True
-        )
+        ),
     )
-    return Environments(python, against)
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -219,7 +218,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_collection_finish(session: pytest.Session) -> None:
     checks = [i for i in session.items if isinstance(i, CheckItem)]
     reporter = session.config.pluginmanager.get_plugin(REPORTER)
-    if reporter is not None:
+    # --collect-only runs nothing: no check is expected to have run.
+    if reporter is not None and not session.config.option.collectonly:
         reporter.expect([i.nodeid for i in checks])
     # Under xdist each worker runs a share of the checks it collected: no plan there.
     if not hasattr(session.config, "workerinput"):
@@ -232,7 +232,7 @@ def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
     config = node.config
     budgets_file = config.stash.get(BUDGETS_KEY, None)
     reporter = config.pluginmanager.get_plugin(REPORTER)
-    if budgets_file is None or reporter is None:
+    if budgets_file is None or reporter is None or config.option.collectonly:
         return
     target = budgets_file.path.resolve()
     reporter.expect([i for i in ids if (config.rootpath / i.split("::")[0]).resolve() == target])

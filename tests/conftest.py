@@ -1,15 +1,17 @@
 from __future__ import annotations
 
+import importlib.util
 import json
 from collections.abc import Iterator
 from dataclasses import replace
+from functools import cache
 from pathlib import Path
 from typing import Any
 
 import kvguard_fake_engine
 import pytest
 
-from pytest_kvguard.engines import ENGINES, EngineInfo
+from pytest_kvguard.engines import ENGINES, EngineInfo, installed_version
 
 pytest_plugins = ["pytester"]
 
@@ -47,6 +49,48 @@ def pytest_configure(config: pytest.Config) -> None:
             f"--gate-report {path} is not a kvguard JSON report (it lacks {', '.join(missing)})"
         )
     config.stash[GATE_REPORT] = report
+
+
+ENGINE_MARKERS = ("llama_cpp", "mlx", "llama_server")
+"""Markers named after the engine a test needs (registered in pyproject.toml). A test with one
+is also an ``engine`` test, and is skipped, with the reason, only where that engine is not
+installed; a missing model or a broken engine still fails it."""
+
+
+@cache
+def engine_not_installed(name: str) -> str | None:
+    """Why the engine cannot run here, or None where it is installed."""
+    info = ENGINES[name]
+    if info.binary:  # a program kvguard starts: the binary it would start must answer
+        found = installed_version(name) is not None
+    else:
+        found = importlib.util.find_spec(info.import_name) is not None
+    return None if found else f"engine {name} is not installed ({info.install})"
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m reads the engine marker it adds
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        needed = sorted({m.name for m in item.iter_markers() if m.name in ENGINE_MARKERS})
+        if not needed:
+            continue
+        if item.get_closest_marker("engine") is None:
+            item.add_marker(pytest.mark.engine)  # -m "not engine" deselects it
+        reasons = [r for r in map(engine_not_installed, needed) if r is not None]
+        if reasons:
+            item.add_marker(pytest.mark.skip(reason="; ".join(reasons)))
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """An engine test says which engines it needs, so that it is skipped only for want of one."""
+    if item.get_closest_marker("engine") is None:
+        return
+    if not any(item.get_closest_marker(name) for name in ENGINE_MARKERS):
+        pytest.fail(
+            f"{item.nodeid} is marked engine but names no engine "
+            f"(fix: add one of @pytest.mark.{', @pytest.mark.'.join(ENGINE_MARKERS)})",
+            pytrace=False,
+        )
 
 
 def write_tiny_gguf(path: Path) -> Path:

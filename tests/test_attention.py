@@ -34,7 +34,7 @@ def explicit_softmax(q: np.ndarray, k: np.ndarray, scale: float, rows: list[int]
     return result
 
 
-@pytest.mark.engine
+@pytest.mark.llama_cpp
 @pytest.mark.parametrize("model", [SMOLLM2, GEMMA3], ids=["smollm2", "gemma3"])
 def test_llama_cpp_probabilities_are_softmax_of_its_own_q_and_k(
     kvguard_runner: Runner, model: ModelRef
@@ -57,7 +57,7 @@ def test_llama_cpp_probabilities_are_softmax_of_its_own_q_and_k(
         np.testing.assert_allclose(probs[:, ROWS], expected, atol=3e-3)
 
 
-@pytest.mark.engine
+@pytest.mark.mlx
 @pytest.mark.parametrize("model", [SMOLLM2, GEMMA3], ids=["smollm2", "gemma3"])
 def test_mlx_probabilities_are_softmax_of_the_layer_inputs(
     kvguard_runner: Runner, model: ModelRef, monkeypatch: pytest.MonkeyPatch
@@ -199,7 +199,8 @@ def test_a_red_stream_check_names_the_heads_that_lose_their_sink(
     assert (gate.path / "r.sink-heads.png").stat().st_size > 0
 
 
-@pytest.mark.engine
+@pytest.mark.llama_cpp
+@pytest.mark.mlx
 def test_captures_past_one_batch_keep_positions_and_masks(
     kvguard_runner: Runner, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -84,7 +84,7 @@ def test_planned_runs_of_two_checks_decode_together(
     runner.close()
 
 
-@pytest.mark.engine
+@pytest.mark.mlx
 def test_mlx_refuses_a_group_whose_caches_differ_in_size(kvguard_runner: Runner) -> None:
     engine = kvguard_runner.engine("mlx", SMOLLM2)
     mixed = [make_policy("sink", cap=256, sinks=4, positions="absolute"),
@@ -148,7 +148,7 @@ def mixed_specs(ids: list[int], positions: tuple[str, ...]) -> list[RunSpec]:
     return specs
 
 
-@pytest.mark.engine
+@pytest.mark.llama_cpp
 def test_llama_cpp_group_gives_each_run_its_own_figures(kvguard_runner: Runner) -> None:
     """Sequences of one context, each evicted with its own seq_rm / seq_add: every row's
     scores, counts and memory figures (kv_bytes, buffers, peak) are those of the same run in a
@@ -163,7 +163,7 @@ def test_llama_cpp_group_gives_each_run_its_own_figures(kvguard_runner: Runner) 
     assert not np.array_equal(grouped[0].nll[MIXED_CAP:], grouped[1].nll[MIXED_CAP:])
 
 
-@pytest.mark.engine
+@pytest.mark.mlx
 def test_mlx_group_rows_may_differ_in_ids_length_and_scoring(kvguard_runner: Runner) -> None:
     engine = kvguard_runner.engine("mlx", SMOLLM2)
     ids = kvguard_runner.token_ids("mlx", SMOLLM2, pydoc_topics(), 290)

@@ -17,7 +17,7 @@ from pytest_kvguard.runner import Runner
 from pytest_kvguard.scenarios.feeding import chunks, run_stream
 from pytest_kvguard.texts import pydoc_topics
 
-pytestmark = pytest.mark.engine
+pytestmark = pytest.mark.engine  # each test names its engine below
 SMOLLM2 = ModelRef("smollm2-135m")
 CAP, SINKS, CHUNK = 256, 4, 64
 
@@ -38,9 +38,10 @@ def stream_schedule(fed: int) -> list[int]:
     return sizes
 
 
+@pytest.mark.mlx
 def test_mlx_chunk_queries_lose_the_sinks_one_by_one() -> None:
     """mlx-lm's mask slides over the concatenated keys: query i misses sinks 0..i-1."""
-    from pytest_kvguard.engines.mlx import chunk_visibility
+    from pytest_kvguard.engines.mlx.caches import chunk_visibility
 
     fed = 356  # 100 tokens past the cap, fed one at a time
     schedule = stream_schedule(fed)
@@ -56,6 +57,7 @@ def test_mlx_chunk_queries_lose_the_sinks_one_by_one() -> None:
         assert window == list(range(position - len(window) + 1, position + 1))  # contiguous
 
 
+@pytest.mark.mlx
 def test_mlx_real_cache_holds_the_concatenated_keys(kvguard_runner: Runner) -> None:
     """After a real chunk through the real model, each layer holds cap - 1 + chunk keys: what
     chunk_visibility's cache held, so its masks are the ones the model used."""
@@ -77,13 +79,14 @@ def test_mlx_real_cache_holds_the_concatenated_keys(kvguard_runner: Runner) -> N
     stream.close()
 
 
+@pytest.mark.llama_cpp
 def test_llama_cpp_chunk_keeps_the_sinks(kvguard_runner: Runner) -> None:
     """llama.cpp evicts for the whole chunk first, keeps the sinks, and each query of the batch
     sees exactly what a one-token decode after the same eviction sees: the sinks, the window
     left, and the chunk up to itself."""
     import llama_cpp as lc
 
-    from pytest_kvguard.engines.llama_cpp import LlamaCppStream
+    from pytest_kvguard.engines.llama_cpp.stream import LlamaCppStream
 
     engine = kvguard_runner.engine("llama_cpp", SMOLLM2)
     fed, cap, chunk = 80, 64, 8
@@ -122,6 +125,7 @@ def test_llama_cpp_chunk_keeps_the_sinks(kvguard_runner: Runner) -> None:
     assert np.abs(rows - single).max() < 0.05
 
 
+@pytest.mark.llama_cpp
 def test_llama_cpp_converse_scores_only_the_replies(kvguard_runner: Runner) -> None:
     engine = kvguard_runner.engine("llama_cpp", SMOLLM2)
     ids = kvguard_runner.token_ids("llama_cpp", SMOLLM2, pydoc_topics(), 200)

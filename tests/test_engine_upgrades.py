@@ -18,7 +18,7 @@ import pytest
 from pytest_kvguard.engines import installed_version
 from pytest_kvguard.environments import default_root
 
-pytestmark = pytest.mark.engine
+pytestmark = pytest.mark.engine  # each test names its engines below
 
 OLD_MLX_LM = "mlx-lm==0.28.0"
 """The last release where make_prompt_cache(model, max_kv_size) caps a Llama model's cache:
@@ -57,6 +57,7 @@ def _run_llama_checks(
     return result, json.loads((pytester.path / "r.json").read_text())
 
 
+@pytest.mark.llama_cpp
 def test_a_real_illegal_instruction_in_llama_cpp_costs_one_check(
     pytester: pytest.Pytester,
 ) -> None:
@@ -72,6 +73,7 @@ def test_a_real_illegal_instruction_in_llama_cpp_costs_one_check(
     assert report["lost_checks"] == ["sink-reindexed"] and report["missing_checks"] == []
 
 
+@pytest.mark.llama_cpp
 def test_a_real_hang_in_llama_cpp_is_killed_at_the_time_limit(pytester: pytest.Pytester) -> None:
     """engine_hang: evicting never returns; the check's 10 s limit kills the worker. (The
     absolute-position sink evicts too, so it is left out: it would hang the same way.)"""
@@ -87,6 +89,8 @@ def test_a_real_hang_in_llama_cpp_is_killed_at_the_time_limit(pytester: pytest.P
     assert report["lost_checks"] == ["sink-reindexed"] and report["missing_checks"] == []
 
 
+@pytest.mark.llama_cpp
+@pytest.mark.mlx
 def test_the_pytest_process_never_imports_an_engine(pytester: pytest.Pytester) -> None:
     pytester.makefile(
         ".yaml",
@@ -124,6 +128,7 @@ def old_mlx_python() -> Path:
     return python
 
 
+@pytest.mark.mlx
 def test_kvguard_env_caches_the_environment(old_mlx_python: Path) -> None:
     again = subprocess.run(
         [sys.executable, "-m", "pytest_kvguard.environments", OLD_MLX_LM],
@@ -169,6 +174,7 @@ checks:
 """
 
 
+@pytest.mark.mlx
 def test_the_upgrade_preview_flags_the_dropped_cap_and_nothing_else(
     pytester: pytest.Pytester, old_mlx_python: Path
 ) -> None:

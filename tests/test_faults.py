@@ -20,7 +20,8 @@ from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.faults import FAULTS, inject
 from pytest_kvguard.runner import Runner, run_check
 
-pytestmark = pytest.mark.engine
+# The quick gate's checks the faults turn red run on both in-process engines.
+pytestmark = [pytest.mark.llama_cpp, pytest.mark.mlx]
 QUICK_CHECKS = {c.name: c for c in load_budgets_file(QUICK).checks}
 
 CAUSE = {

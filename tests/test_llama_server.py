@@ -26,7 +26,8 @@ from pytest_kvguard.policies import make_policy
 from pytest_kvguard.runner import Runner
 from pytest_kvguard.texts import pydoc_topics
 
-pytestmark = pytest.mark.engine
+# Each test compares the server with llama.cpp in process.
+pytestmark = [pytest.mark.llama_server, pytest.mark.llama_cpp]
 SMOLLM2 = ModelRef("smollm2-135m")
 
 

@@ -68,7 +68,7 @@ def run_gate(
     return result, json.loads((pytester.path / "report.json").read_text())
 
 
-@pytest.mark.engine
+@pytest.mark.llama_server
 def test_openai_counts_are_the_servers_usage_and_equal_its_timings(
     pytester: pytest.Pytester, smollm2_server: LlamaServerEngine
 ) -> None:

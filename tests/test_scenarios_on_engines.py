@@ -25,10 +25,21 @@ from pytest_kvguard.environments import Environments
 from pytest_kvguard.scenarios.base import Check
 from pytest_kvguard.session import ENVIRONMENTS_KEY, run_gated, sendable, session_pool
 
-pytestmark = pytest.mark.engine
+pytestmark = pytest.mark.engine  # each check names its engines below
 CHECKS_FILE = load_budgets_file(Path(__file__).with_name("engine_checks.yaml"))
 CHECKS = {check.name: check for check in CHECKS_FILE.checks}
 ROWS: dict[str, dict[str, Any]] = {}
+
+
+def engine_marks(engines: set[str]) -> list[pytest.MarkDecorator]:
+    """The per-engine markers (tests/conftest.py) of the engines a test runs."""
+    return [getattr(pytest.mark, engine) for engine in sorted(engines)]
+
+
+CHECK_PARAMS = [
+    pytest.param(check, id=check.name, marks=engine_marks(set(check.engines)))
+    for check in CHECKS_FILE.checks
+]
 
 
 @pytest.fixture(scope="module")
@@ -48,12 +59,15 @@ def row_of(config: pytest.Config, name: str) -> dict[str, Any]:
 
 
 @pytest.mark.usefixtures("planned")
-@pytest.mark.parametrize("check", CHECKS_FILE.checks, ids=lambda c: c.name)
+@pytest.mark.parametrize("check", CHECK_PARAMS)
 def test_check_runs_and_its_figures_hold(pytestconfig: pytest.Config, check: Check[Any]) -> None:
     assert_row_holds(row_of(pytestconfig, check.name), check)
 
 
 @pytest.mark.usefixtures("planned")
+@pytest.mark.llama_cpp
+@pytest.mark.mlx  # it reads every check's row, and some run on mlx
+@pytest.mark.llama_server
 def test_llama_server_agrees_with_the_in_process_engine(pytestconfig: pytest.Config) -> None:
     """The same chat: the server's cache_n / prompt_n are the in-process counts; the same
     forced generation past the cap: its context shift scores as the in-process sink policy;
