@@ -22,7 +22,7 @@ from typing import Any
 
 from tabulate import tabulate
 
-from pytest_kvguard.budgets import Budgets
+from pytest_kvguard.gate.budgets import Budgets
 from pytest_kvguard.units import format_value
 
 BUDGET_FIELDS = {f.name: f.metadata for f in fields(Budgets)}

@@ -29,8 +29,8 @@ from gate_invariants import (
     readme_drift,
 )
 
-from pytest_kvguard.budgets_file import BudgetsFile, load_budgets_file
-from pytest_kvguard.report import report_schema
+from pytest_kvguard.gate.budgets_file import BudgetsFile, load_budgets_file
+from pytest_kvguard.gate.report import report_schema
 
 
 def documentation() -> str:

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import replace
 from functools import cache
@@ -93,6 +94,17 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         )
 
 
+@pytest.fixture(autouse=True)
+def inner_runs_in_file_order(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pytest-randomly shuffles this suite, not the runs a test starts with pytester: those
+    judge the plugin's output for one budgets file or test file, row by row in its order."""
+    if "pytester" in request.fixturenames:
+        given = os.environ.get("PYTEST_ADDOPTS", "")
+        monkeypatch.setenv("PYTEST_ADDOPTS", f"{given} -p no:randomly".strip())
+
+
 def write_tiny_gguf(path: Path) -> Path:
     """A real GGUF file with Llama metadata and no tensors: enough for read_arch and sha256."""
     from gguf import GGUFWriter
@@ -140,7 +152,7 @@ def smollm2_server() -> Iterator[object]:
     """A llama-server kvguard starts on the bundled SmolLM2-135M, stopped after the module."""
     from pytest_kvguard.engines import EngineOptions, load_engine
     from pytest_kvguard.engines.served.llama_server import LlamaServerEngine
-    from pytest_kvguard.models import ModelRef
+    from pytest_kvguard.inputs.models import ModelRef
 
     engine = load_engine(
         "llama_server", ModelRef("smollm2-135m").resolve(), EngineOptions.from_env()

@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from pytest_kvguard.outcome import row_from_json
-from pytest_kvguard.report import render_table
+from pytest_kvguard.gate.outcome import row_from_json
+from pytest_kvguard.gate.report import render_table
 from pytest_kvguard.scenarios.base import Check
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -9,10 +9,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pytest_kvguard.models import ModelRef
-from pytest_kvguard.runner import Runner
+from pytest_kvguard.gate.runner import Runner
+from pytest_kvguard.inputs.models import ModelRef
+from pytest_kvguard.inputs.texts import pydoc_topics
 from pytest_kvguard.scenarios.attention import default_queries, sink_figures, with_bos
-from pytest_kvguard.texts import pydoc_topics
 
 SMOLLM2 = ModelRef("smollm2-135m")
 GEMMA3 = ModelRef("gemma3-270m")
@@ -169,7 +169,7 @@ def test_a_red_stream_check_names_the_heads_that_lose_their_sink(
 ) -> None:
     import jsonschema
 
-    from pytest_kvguard.report import report_schema
+    from pytest_kvguard.gate.report import report_schema
 
     monkeypatch.setenv("KVGUARD_FAKE_ATTENTION", "1")
     gate.makefile(

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_kvguard.capacity import arch_from_config, capacity_table, main, predict_kv_bytes
+from pytest_kvguard.cli.capacity import arch_from_config, capacity_table, main, predict_kv_bytes
 
 CONFIG = Path(__file__).parent.parent / "fixtures" / "gemma-3-270m.config.json"
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_kvguard.compare import main
+from pytest_kvguard.cli.compare import main
 
 OLD = {  # schema 1: samples and layer sizes at the top of the row
     "schema": 1,

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 from test_workflows import ACTION, _load
 
-from pytest_kvguard import docs
-from pytest_kvguard.baseline import COMPARABLE_METRICS
-from pytest_kvguard.budgets import Budgets
-from pytest_kvguard.budgets_file import TOP_KEYS
-from pytest_kvguard.checks import CHECK_KEYS
+from pytest_kvguard.cli import docs
 from pytest_kvguard.engines import ENGINES
-from pytest_kvguard.options import ENVIRONMENT
+from pytest_kvguard.gate.baseline import COMPARABLE_METRICS
+from pytest_kvguard.gate.budgets import Budgets
+from pytest_kvguard.gate.budgets_file import TOP_KEYS
+from pytest_kvguard.gate.checks import CHECK_KEYS
+from pytest_kvguard.plugin.options import ENVIRONMENT
 from pytest_kvguard.scenarios import SCENARIOS
 
 ROOT = Path(__file__).parent.parent

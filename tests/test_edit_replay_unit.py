@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from pytest_kvguard.budgets_file import load_budgets_file
 from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.gate.budgets_file import load_budgets_file
 from pytest_kvguard.scenarios.edit_replay import (
     APPENDED_TURN,
     EDIT_SUFFIX,

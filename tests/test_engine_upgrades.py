@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from pytest_kvguard.engines import installed_version
-from pytest_kvguard.environments import default_root
+from pytest_kvguard.isolation.environments import default_root
 
 pytestmark = pytest.mark.engine  # each test names its engines below
 
@@ -119,7 +119,7 @@ def old_mlx_python() -> Path:
     """An mlx-lm 0.28.0 environment, made by kvguard-env as a user would (cached across runs
     under ~/.cache/pytest-kvguard/envs, or $KVGUARD_ENV_DIR)."""
     done = subprocess.run(
-        [sys.executable, "-m", "pytest_kvguard.environments", OLD_MLX_LM],
+        [sys.executable, "-m", "pytest_kvguard.isolation.environments", OLD_MLX_LM],
         capture_output=True, text=True, timeout=1800,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -131,7 +131,7 @@ def old_mlx_python() -> Path:
 @pytest.mark.mlx
 def test_kvguard_env_caches_the_environment(old_mlx_python: Path) -> None:
     again = subprocess.run(
-        [sys.executable, "-m", "pytest_kvguard.environments", OLD_MLX_LM],
+        [sys.executable, "-m", "pytest_kvguard.isolation.environments", OLD_MLX_LM],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert Path(again.stdout.strip()) == old_mlx_python and "creating" not in again.stderr

@@ -6,7 +6,7 @@ import pytest
 
 from pytest_kvguard.engines import ENGINES, check_policy
 from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.policies import POLICY_KINDS, make_policy
+from pytest_kvguard.gate.policies import POLICY_KINDS, make_policy
 
 
 def test_mlx_refuses_reindexed_positions() -> None:

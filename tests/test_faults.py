@@ -14,11 +14,11 @@ import re
 import pytest
 from gate_invariants import QUICK
 
-from pytest_kvguard.budgets_file import load_budgets_file
 from pytest_kvguard.engines import EngineOptions
 from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.faults import FAULTS, inject
-from pytest_kvguard.runner import Runner, run_check
+from pytest_kvguard.gate.budgets_file import load_budgets_file
+from pytest_kvguard.gate.faults import FAULTS, inject
+from pytest_kvguard.gate.runner import Runner, run_check
 
 # The quick gate's checks the faults turn red run on both in-process engines.
 pytestmark = [pytest.mark.llama_cpp, pytest.mark.mlx]

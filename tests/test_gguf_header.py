@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.gguf_header import SkippedStrings, read_gguf_header
+from pytest_kvguard.inputs.gguf_header import SkippedStrings, read_gguf_header
 
 
 def write_gguf(path: Path, alignment: int | None = None, big_endian: bool = False) -> Path:

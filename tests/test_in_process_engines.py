@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from pytest_kvguard.engines import ENGINES
-from pytest_kvguard.models import ModelRef
-from pytest_kvguard.policies import make_policy
-from pytest_kvguard.runner import Runner
+from pytest_kvguard.gate.policies import make_policy
+from pytest_kvguard.gate.runner import Runner
+from pytest_kvguard.inputs.models import ModelRef
+from pytest_kvguard.inputs.texts import pydoc_topics
 from pytest_kvguard.scenarios.feeding import run_stream
-from pytest_kvguard.texts import pydoc_topics
 
 SMOLLM2 = ModelRef("smollm2-135m")
 

@@ -7,13 +7,13 @@ from typing import Any
 
 import pytest
 
-from pytest_kvguard.budgets import Budgets
-from pytest_kvguard.checks import Written, build_check
-from pytest_kvguard.models import ModelRef, read_arch
-from pytest_kvguard.policies import make_policy
-from pytest_kvguard.runner import Runner, run_check
+from pytest_kvguard.gate.budgets import Budgets
+from pytest_kvguard.gate.checks import Written, build_check
+from pytest_kvguard.gate.policies import make_policy
+from pytest_kvguard.gate.runner import Runner, run_check
+from pytest_kvguard.inputs.models import ModelRef, read_arch
+from pytest_kvguard.inputs.texts import pydoc_topics
 from pytest_kvguard.scenarios.feeding import run_stream
-from pytest_kvguard.texts import pydoc_topics
 
 pytestmark = pytest.mark.llama_cpp
 SMOLLM2 = ModelRef("smollm2-135m")
@@ -140,7 +140,7 @@ def test_state_bytes_match_the_capacity_prediction(
 ) -> None:
     """llama.cpp's state after N tokens against the calculator's f16 prediction, within 0.5%
     (1,500 tokens: past Gemma 3's 1,024-cell sliding cache)."""
-    from pytest_kvguard.capacity import predict_kv_bytes
+    from pytest_kvguard.cli.capacity import predict_kv_bytes
 
     ref = ModelRef(model)
     engine = kvguard_runner.engine("llama_cpp", ref)

@@ -21,10 +21,10 @@ from pytest_kvguard.engines.conversation import Turn
 from pytest_kvguard.engines.served.llama_server import LlamaServerEngine
 from pytest_kvguard.engines.served.process import ServerSettings
 from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.models import ModelRef
-from pytest_kvguard.policies import make_policy
-from pytest_kvguard.runner import Runner
-from pytest_kvguard.texts import pydoc_topics
+from pytest_kvguard.gate.policies import make_policy
+from pytest_kvguard.gate.runner import Runner
+from pytest_kvguard.inputs.models import ModelRef
+from pytest_kvguard.inputs.texts import pydoc_topics
 
 # Each test compares the server with llama.cpp in process.
 pytestmark = [pytest.mark.llama_server, pytest.mark.llama_cpp]

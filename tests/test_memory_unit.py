@@ -8,10 +8,10 @@ import kvguard_fake_engine
 import numpy as np
 import pytest
 
-from pytest_kvguard.budgets import Budgets
-from pytest_kvguard.capacity import arch_from_config, predict_engine_kv_bytes
+from pytest_kvguard.cli.capacity import arch_from_config, predict_engine_kv_bytes
 from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.policies import make_policy
+from pytest_kvguard.gate.budgets import Budgets
+from pytest_kvguard.gate.policies import make_policy
 from pytest_kvguard.scenarios.feeding import StreamRun, StreamSample, run_stream
 from pytest_kvguard.scenarios.memory import check_lengths, memory_result
 from pytest_kvguard.units import format_size

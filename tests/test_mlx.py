@@ -7,12 +7,12 @@ import sys
 
 import pytest
 
-from pytest_kvguard.models import ModelRef
-from pytest_kvguard.policies import make_policy
-from pytest_kvguard.runner import Runner
+from pytest_kvguard.gate.policies import make_policy
+from pytest_kvguard.gate.runner import Runner
+from pytest_kvguard.inputs.models import ModelRef
+from pytest_kvguard.inputs.texts import pydoc_topics
 from pytest_kvguard.scenarios.feeding import run_stream
 from pytest_kvguard.scoring import perplexity
-from pytest_kvguard.texts import pydoc_topics
 
 pytestmark = pytest.mark.mlx
 SMOLLM2 = ModelRef("smollm2-135m")

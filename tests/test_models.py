@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.models import ModelRef, env_var_for, parse_model, read_arch
+from pytest_kvguard.inputs.models import ModelRef, env_var_for, parse_model, read_arch
 
 
 def test_arch_from_gguf_metadata(tiny_gguf: Path) -> None:
@@ -53,7 +53,7 @@ def test_model_folder_and_hub_id_forms(tmp_path: Path) -> None:
 
 
 def test_llama_cpp_refuses_a_model_folder(tmp_path: Path) -> None:
-    from pytest_kvguard.budgets_file import load_budgets_file
+    from pytest_kvguard.gate.budgets_file import load_budgets_file
 
     (tmp_path / "folder").mkdir()
     budgets = tmp_path / "b.yaml"

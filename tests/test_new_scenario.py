@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 import pytest_kvguard
-from pytest_kvguard.policies import Policy
+from pytest_kvguard.gate.policies import Policy
+from pytest_kvguard.inputs.texts import load_text
 from pytest_kvguard.scenarios import SCENARIOS
 from pytest_kvguard.scenarios.base import (
     CAP,
@@ -30,7 +31,6 @@ from pytest_kvguard.scenarios.base import (
     Scenario,
 )
 from pytest_kvguard.scenarios.validate import require_text_room
-from pytest_kvguard.texts import load_text
 
 pytestmark = pytest.mark.usefixtures("fake_engine")
 
@@ -102,7 +102,7 @@ def fill_registered(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_new_scenario_runs_from_yaml_and_the_fixture(
     gate: pytest.Pytester, fill_registered: None
 ) -> None:
-    from pytest_kvguard.report import report_schema
+    from pytest_kvguard.gate.report import report_schema
 
     gate.makefile(
         ".yaml",
@@ -153,7 +153,7 @@ def test_a_new_scenario_brings_its_own_explanation_section_and_plot(
 ) -> None:
     """A red fill check is explained by the scenario's hook (JSON row, report section) and
     both checks draw into the scenario's own plot, with no module outside the scenario told."""
-    from pytest_kvguard.report import report_schema
+    from pytest_kvguard.gate.report import report_schema
 
     gate.makefile(
         ".yaml",

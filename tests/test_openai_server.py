@@ -21,8 +21,8 @@ import pytest
 from pytest_kvguard.engines import EngineOptions, load_engine
 from pytest_kvguard.engines.served.llama_server import LlamaServerEngine
 from pytest_kvguard.engines.served.process import ServerSettings
-from pytest_kvguard.models import ModelRef
-from pytest_kvguard.policies import Policy
+from pytest_kvguard.gate.policies import Policy
+from pytest_kvguard.inputs.models import ModelRef
 from pytest_kvguard.scenarios.edit_replay import (
     DEFAULT_CHAT,
     common_prefix,

@@ -156,10 +156,7 @@ def test_engine_failure_is_an_error_row_not_a_pass(
 
 def test_partial_run_is_not_a_pass(gate: pytest.Pytester) -> None:
     write_budgets(gate, sink_budget=0)
-    # -x stops at the file's first check (failed) only in file order: not shuffled.
-    result = gate.runpytest(
-        "--kvguard", "budgets.yaml", "-x", "--kvguard-json", "r.json", "-p", "no:randomly"
-    )
+    result = gate.runpytest("--kvguard", "budgets.yaml", "-x", "--kvguard-json", "r.json")
     result.assert_outcomes(failed=1)
     report = json.loads((gate.path / "r.json").read_text())
     assert report["complete"] is False and report["verdict"] == "fail"
@@ -593,7 +590,7 @@ def test_sweep_and_recall_tables(gate: pytest.Pytester) -> None:
 
 
 def _schema() -> dict[str, Any]:
-    from pytest_kvguard.report import report_schema
+    from pytest_kvguard.gate.report import report_schema
 
     return report_schema()
 
@@ -682,7 +679,7 @@ def test_fixture_and_budgets_file_build_the_same_check(gate: pytest.Pytester) ->
         """
 import json
 from pathlib import Path
-from pytest_kvguard.budgets_file import load_budgets_file
+from pytest_kvguard.gate.budgets_file import load_budgets_file
 
 def test_same(kvguard):
     outcome = kvguard.parity(engines=("fake", "fake2"), model="tiny.gguf")

@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 from gate_invariants import SERVED_AGREEMENTS, assert_agreements, assert_row_holds
 
-from pytest_kvguard.budgets_file import load_budgets_file
-from pytest_kvguard.environments import Environments
+from pytest_kvguard.gate.budgets_file import load_budgets_file
+from pytest_kvguard.isolation.environments import Environments
+from pytest_kvguard.plugin.session import ENVIRONMENTS_KEY, run_gated, sendable, session_pool
 from pytest_kvguard.scenarios.base import Check
-from pytest_kvguard.session import ENVIRONMENTS_KEY, run_gated, sendable, session_pool
 
 pytestmark = pytest.mark.engine  # each check names its engines below
 CHECKS_FILE = load_budgets_file(Path(__file__).with_name("engine_checks.yaml"))

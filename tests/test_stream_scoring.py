@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.policies import make_policy
+from pytest_kvguard.gate.policies import make_policy
 from pytest_kvguard.scenarios.feeding import run_stream
 from pytest_kvguard.scenarios.stream import check_reaches_eviction, compare
 from pytest_kvguard.scoring import nll_of as _nll

@@ -27,10 +27,10 @@ from gate_invariants import (
     split_tables,
 )
 
-from pytest_kvguard import llama_server_build
-from pytest_kvguard.budgets_file import load_budgets_file
-from pytest_kvguard.faults import FAULTS
-from pytest_kvguard.report import render_table
+from pytest_kvguard.cli import llama_server_build
+from pytest_kvguard.gate.budgets_file import load_budgets_file
+from pytest_kvguard.gate.faults import FAULTS
+from pytest_kvguard.gate.report import render_table
 
 QUICK_CHECKS = {c.name: c for c in load_budgets_file(QUICK).checks}
 FULL_CHECKS = {c.name: c for c in load_budgets_file(FULL).checks}
@@ -84,7 +84,7 @@ def _toy_rows(gate: pytest.Pytester) -> tuple[list[dict[str, Any]], dict[str, An
 
 
 def _quoted(rows: list[dict[str, object]], where: str = "", file: str = "budgets.yaml") -> str:
-    from pytest_kvguard.outcome import row_from_json
+    from pytest_kvguard.gate.outcome import row_from_json
 
     table = render_table([row_from_json(r) for r in rows])
     return (

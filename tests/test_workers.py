@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from pytest_kvguard.environments import Environments, parse_assignments
 from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.workers import describe_exit
+from pytest_kvguard.isolation.environments import Environments, parse_assignments
+from pytest_kvguard.isolation.workers import describe_exit
 
 pytestmark = pytest.mark.usefixtures("fake_engine")
 

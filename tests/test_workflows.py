@@ -142,7 +142,7 @@ def test_the_install_steps_outputs_survive_an_install_without_llama(tmp_path: Pa
 def test_the_served_workflow_starts_vllm_and_gates_it_through_engine_openai() -> None:
     """The GPU job starts vLLM with the flags its cached-token report needs, then runs a
     budgets file whose every check talks to that server (untested here: no GPU was lent)."""
-    from pytest_kvguard.budgets_file import load_budgets_file
+    from pytest_kvguard.gate.budgets_file import load_budgets_file
 
     job = _load(ROOT / ".github" / "workflows" / "served.yml")["jobs"]["vllm"]
     assert job["runs-on"] == ["self-hosted", "linux", "gpu"]

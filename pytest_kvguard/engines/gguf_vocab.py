@@ -12,7 +12,7 @@ import llama_cpp as lc
 
 from pytest_kvguard.engines.llama_log import init_backend
 from pytest_kvguard.errors import EngineError
-from pytest_kvguard.models import BUILTIN_CHAT_TEMPLATES
+from pytest_kvguard.inputs.models import BUILTIN_CHAT_TEMPLATES
 
 
 def tokenize(vocab: Any, text: str) -> list[int]:

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from pytest_kvguard.models import ModelArch
+from pytest_kvguard.inputs.models import ModelArch
 
 
 def layer_bytes(arch: ModelArch, bytes_per_element: float) -> float:

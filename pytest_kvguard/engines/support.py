@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pytest_kvguard.engines.registry import ENGINES, engine_info
 from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.policies import Policy
+from pytest_kvguard.gate.policies import Policy
 
 ENGINE_PATHS = {
     "feed": "kvguard's own loop feeds the engine and scores every next token (Engine.open_stream)",

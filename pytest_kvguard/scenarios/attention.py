@@ -19,7 +19,8 @@ import numpy as np
 
 from pytest_kvguard.engines import AttentionRows, ReadsAttention
 from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.models import ModelRef
+from pytest_kvguard.inputs.models import ModelRef
+from pytest_kvguard.inputs.texts import Text, load_text
 from pytest_kvguard.scenarios.base import (
     TEXT,
     Check,
@@ -32,7 +33,6 @@ from pytest_kvguard.scenarios.base import (
 )
 from pytest_kvguard.scenarios.extras import sink_heads_panel
 from pytest_kvguard.scenarios.validate import ascending_counts, require_text_room
-from pytest_kvguard.texts import Text, load_text
 
 FIRST_K = 8
 """Mass on the first k tokens is reported for k = 1 .. FIRST_K."""

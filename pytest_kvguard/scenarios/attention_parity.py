@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.inputs.texts import load_text
 from pytest_kvguard.scenarios.attention import (
     PARAMS,
     AttentionSpec,
@@ -30,7 +31,6 @@ from pytest_kvguard.scenarios.base import (
     Scenario,
 )
 from pytest_kvguard.scenarios.validate import require_two_engines
-from pytest_kvguard.texts import load_text
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,6 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
-from pytest_kvguard.budgets import Budgets
 from pytest_kvguard.engines import (
     Engine,
     check_chunk,
@@ -24,10 +23,11 @@ from pytest_kvguard.engines import (
     engine_info,
 )
 from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.models import ModelRef
-from pytest_kvguard.policies import DEFAULT_CHECKPOINT_STEP, POLICY_KINDS, Policy, make_policy
+from pytest_kvguard.gate.budgets import Budgets
+from pytest_kvguard.gate.policies import DEFAULT_CHECKPOINT_STEP, POLICY_KINDS, Policy, make_policy
+from pytest_kvguard.inputs.models import ModelRef
+from pytest_kvguard.inputs.texts import DEFAULT_TEXT, Text, load_text
 from pytest_kvguard.scenarios.feeding import StreamRun
-from pytest_kvguard.texts import DEFAULT_TEXT, Text, load_text
 
 SpecT = TypeVar("SpecT")
 T = TypeVar("T")

@@ -25,10 +25,10 @@ from pytest_kvguard.engines import (
     engine_info,
 )
 from pytest_kvguard.errors import EngineError, KvguardError
+from pytest_kvguard.gate.policies import DEFAULT_CHECKPOINT_STEP, Policy
+from pytest_kvguard.inputs.texts import Text
 from pytest_kvguard.paths import resolve_under
-from pytest_kvguard.policies import DEFAULT_CHECKPOINT_STEP, Policy
 from pytest_kvguard.scenarios.base import Check, Context, Fields, Measured, Param, Scenario
-from pytest_kvguard.texts import Text
 from pytest_kvguard.units import mib
 
 DEFAULT_CHAT = "tutor"

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pytest_kvguard.engines import Engine, GroupsStreams, Stream, StreamGroup
-from pytest_kvguard.policies import Policy
+from pytest_kvguard.gate.policies import Policy
 from pytest_kvguard.scoring import nll_of
 
 PREFILL_CHUNK = 256

@@ -22,12 +22,13 @@ from typing import Any
 
 import numpy as np
 
-from pytest_kvguard.budgets import Budgets
 from pytest_kvguard.engines import ReportsShifts, check_chunk, engine_info
 from pytest_kvguard.engines.conversation import plan_turns
 from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.models import ModelRef
-from pytest_kvguard.policies import Policy
+from pytest_kvguard.gate.budgets import Budgets
+from pytest_kvguard.gate.policies import Policy
+from pytest_kvguard.inputs.models import ModelRef
+from pytest_kvguard.inputs.texts import Text, load_text
 from pytest_kvguard.scenarios.base import (
     CAP,
     EVICT_STEP,
@@ -47,7 +48,6 @@ from pytest_kvguard.scenarios.base import (
 )
 from pytest_kvguard.scenarios.stream import check_reaches_eviction
 from pytest_kvguard.scenarios.validate import require_text_room
-from pytest_kvguard.texts import Text, load_text
 
 PROMPT = Param(
     "prompt",

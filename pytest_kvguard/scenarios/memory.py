@@ -12,10 +12,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pytest_kvguard.budgets import Budgets
-from pytest_kvguard.capacity import load_arch, predict_engine_kv_bytes, rotating_capacity
+from pytest_kvguard.cli.capacity import load_arch, predict_engine_kv_bytes, rotating_capacity
 from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.policies import Policy
+from pytest_kvguard.gate.budgets import Budgets
+from pytest_kvguard.gate.policies import Policy
+from pytest_kvguard.inputs.texts import load_text
 from pytest_kvguard.scenarios.base import (
     CAP,
     CHUNK,
@@ -37,7 +38,6 @@ from pytest_kvguard.scenarios.base import (
 from pytest_kvguard.scenarios.extras import kv_bytes_panels
 from pytest_kvguard.scenarios.feeding import StreamRun, chunks, growth_metric
 from pytest_kvguard.scenarios.validate import ascending_counts, check_bounded_run, require_text_room
-from pytest_kvguard.texts import load_text
 from pytest_kvguard.units import format_size
 
 DEFAULT_LENGTHS = (512, 1024, 2048, 4096)

@@ -16,11 +16,12 @@ from typing import Any
 
 import numpy as np
 
-from pytest_kvguard.budgets import Budgets
 from pytest_kvguard.engines import Engine
 from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.models import ModelRef
-from pytest_kvguard.policies import Policy, make_policy
+from pytest_kvguard.gate.budgets import Budgets
+from pytest_kvguard.gate.policies import Policy, make_policy
+from pytest_kvguard.inputs.models import ModelRef
+from pytest_kvguard.inputs.texts import DEFAULT_TEXT, Text, load_text
 from pytest_kvguard.scenarios.base import (
     CAP,
     CHUNK,
@@ -39,7 +40,6 @@ from pytest_kvguard.scenarios.base import (
 )
 from pytest_kvguard.scenarios.feeding import StreamRun
 from pytest_kvguard.scenarios.validate import require_text_room
-from pytest_kvguard.texts import DEFAULT_TEXT, Text, load_text
 
 DEFAULT_FACT = "Note for later: the password of the blue vault is PAPAYA-7.\n\n"
 DEFAULT_QUESTION = "\n\nQuestion: what is the password of the blue vault?\nAnswer: the password is"

@@ -11,10 +11,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pytest_kvguard.budgets import Budgets
 from pytest_kvguard.engines import check_chunk
 from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.policies import Policy
+from pytest_kvguard.gate.budgets import Budgets
+from pytest_kvguard.gate.policies import Policy
+from pytest_kvguard.inputs.texts import load_text
 from pytest_kvguard.scenarios.attention import explain_sinks
 from pytest_kvguard.scenarios.base import (
     CAP,
@@ -43,7 +44,6 @@ from pytest_kvguard.scenarios.extras import (
 from pytest_kvguard.scenarios.feeding import StreamRun, growth_metric
 from pytest_kvguard.scenarios.validate import check_bounded_run, require_text_room
 from pytest_kvguard.scoring import perplexity
-from pytest_kvguard.texts import load_text
 
 
 def check_reaches_eviction(policy: Policy, n_tokens: int) -> None:

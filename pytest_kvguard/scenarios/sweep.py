@@ -20,7 +20,8 @@ import numpy as np
 
 from pytest_kvguard.engines import check_chunk, check_policy
 from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.policies import Policy, make_policy
+from pytest_kvguard.gate.policies import Policy, make_policy
+from pytest_kvguard.inputs.texts import Text, load_text
 from pytest_kvguard.scenarios.attention import explain_sinks
 from pytest_kvguard.scenarios.base import (
     CAP,
@@ -53,7 +54,6 @@ from pytest_kvguard.scenarios.generate import (
 )
 from pytest_kvguard.scenarios.stream import StreamResult, check_reaches_eviction, compare
 from pytest_kvguard.scenarios.validate import ascending_counts, require_text_room
-from pytest_kvguard.texts import Text, load_text
 
 DEFAULT_SINKS = (0, 1, 2, 4, 8)
 SERVED_PROMPT = 32

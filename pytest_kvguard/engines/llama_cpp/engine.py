@@ -24,7 +24,7 @@ from pytest_kvguard.engines.llama_log import captured_log, init_backend, log_exc
 from pytest_kvguard.engines.options import EngineOptions
 from pytest_kvguard.engines.protocols import AttentionRows
 from pytest_kvguard.errors import EngineError
-from pytest_kvguard.policies import Policy
+from pytest_kvguard.gate.policies import Policy
 
 
 def load(model_path: Path, options: EngineOptions) -> LlamaCppEngine:

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from pytest_kvguard.engines.kv_size import layer_bytes
 from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.models import ModelArch
-from pytest_kvguard.policies import Policy
+from pytest_kvguard.gate.policies import Policy
+from pytest_kvguard.inputs.models import ModelArch
 
 
 def pad256(n: int) -> int:

@@ -12,7 +12,7 @@ import llama_cpp as lc
 
 from pytest_kvguard.engines.llama_cpp.context import SEQ, UBATCH, CacheSequence
 from pytest_kvguard.errors import EngineError, KvguardError
-from pytest_kvguard.policies import Policy
+from pytest_kvguard.gate.policies import Policy
 
 if TYPE_CHECKING:
     from pytest_kvguard.engines.llama_cpp.engine import LlamaCppEngine

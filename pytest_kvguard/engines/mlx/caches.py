@@ -17,7 +17,7 @@ import numpy as np  # noqa: E402
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache  # noqa: E402
 
 from pytest_kvguard.errors import KvguardError  # noqa: E402
-from pytest_kvguard.policies import Policy  # noqa: E402
+from pytest_kvguard.gate.policies import Policy  # noqa: E402
 
 
 def eval_caches(caches: Sequence[Any]) -> None:

@@ -32,7 +32,7 @@ from pytest_kvguard.engines.mlx.stream import MlxPrefixCache, MlxStream, MlxStre
 from pytest_kvguard.engines.options import EngineOptions  # noqa: E402
 from pytest_kvguard.engines.protocols import AttentionRows  # noqa: E402
 from pytest_kvguard.errors import EngineError, KvguardError  # noqa: E402
-from pytest_kvguard.policies import Policy  # noqa: E402
+from pytest_kvguard.gate.policies import Policy  # noqa: E402
 
 
 def load(model_path: Path, options: EngineOptions) -> MlxEngine:

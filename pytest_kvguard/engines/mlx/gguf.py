@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.gguf_header import read_gguf_header
+from pytest_kvguard.inputs.gguf_header import read_gguf_header
 
 LAYER_NAMES = {
     "attn_norm": "input_layernorm",

@@ -9,8 +9,8 @@ chunked path appends the whole chunk to the ``max_size - 1`` newest keys).
 from __future__ import annotations
 
 from pytest_kvguard.engines.kv_size import layer_bytes
-from pytest_kvguard.models import ModelArch
-from pytest_kvguard.policies import Policy
+from pytest_kvguard.gate.policies import Policy
+from pytest_kvguard.inputs.models import ModelArch
 
 MLX_STEP = 256
 """mlx-lm's KVCache grows its buffers in steps of this many tokens."""

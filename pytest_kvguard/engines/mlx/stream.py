@@ -25,7 +25,7 @@ from pytest_kvguard.engines.mlx.caches import (  # noqa: E402
     make_caches,
 )
 from pytest_kvguard.errors import EngineError  # noqa: E402
-from pytest_kvguard.policies import Policy  # noqa: E402
+from pytest_kvguard.gate.policies import Policy  # noqa: E402
 
 if TYPE_CHECKING:
     from pytest_kvguard.engines.mlx.engine import MlxEngine

@@ -46,8 +46,8 @@ from pytest_kvguard.engines.served.process import (
     seconds_from_env,
 )
 from pytest_kvguard.errors import EngineError, KvguardError
-from pytest_kvguard.models import is_url
-from pytest_kvguard.policies import Policy
+from pytest_kvguard.gate.policies import Policy
+from pytest_kvguard.inputs.models import is_url
 
 _CHECKPOINT_SIZE = re.compile(r"created context checkpoint \d+ of \d+ .*?size = ([\d.]+) MiB")
 """A checkpoint llama-server logs (at --log-verbosity 4), with its size."""

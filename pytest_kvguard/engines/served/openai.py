@@ -33,7 +33,7 @@ from pytest_kvguard.engines.served.process import (
     seconds_from_env,
 )
 from pytest_kvguard.errors import EngineError, KvguardError
-from pytest_kvguard.policies import Policy
+from pytest_kvguard.gate.policies import Policy
 
 CACHE_REPORT_FLAGS = {
     "vllm": "start vLLM with --enable-prompt-tokens-details (and prefix caching on, its default)",

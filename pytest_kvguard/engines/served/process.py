@@ -30,7 +30,7 @@ from typing import IO, Any
 
 from pytest_kvguard.engines.options import EngineOptions
 from pytest_kvguard.errors import EngineError, KvguardError
-from pytest_kvguard.models import builtin_chat_template
+from pytest_kvguard.inputs.models import builtin_chat_template
 
 BINARY_ENV = "KVGUARD_LLAMA_SERVER"
 """Path to the llama-server binary (default: next to the running Python, then PATH)."""

@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 
 from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.outcome import CheckError
+from pytest_kvguard.gate.outcome import CheckError
+from pytest_kvguard.isolation.workers import WorkerLost, failure_text
+from pytest_kvguard.plugin.session import BUDGETS_KEY, record, record_error, run_gated
 from pytest_kvguard.scenarios.base import Check
-from pytest_kvguard.session import BUDGETS_KEY, record, record_error, run_gated
-from pytest_kvguard.workers import WorkerLost, failure_text
 
 
 class BudgetsCollector(pytest.File):

@@ -13,23 +13,25 @@ from typing import Any
 
 import pytest
 
-from pytest_kvguard.baseline import load_baseline
-from pytest_kvguard.budgets import Budgets
-from pytest_kvguard.budgets_file import load_budgets_file
 from pytest_kvguard.engines import ENGINES, installed_version
 from pytest_kvguard.engines.blas import preload_openblas
-from pytest_kvguard.environments import (
+from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.gate.baseline import load_baseline
+from pytest_kvguard.gate.budgets import Budgets
+from pytest_kvguard.gate.budgets_file import load_budgets_file
+from pytest_kvguard.gate.faults import fault
+from pytest_kvguard.gate.plot import require_matplotlib
+from pytest_kvguard.gate.runner import Runner
+from pytest_kvguard.isolation.environments import (
     EVERY_ENGINE,
     Environments,
     engine_environments,
     parse_assignments,
     version_in,
 )
-from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.faults import fault
-from pytest_kvguard.fixture import KvguardFixture
-from pytest_kvguard.items import BudgetsCollector, CheckItem
-from pytest_kvguard.options import (
+from pytest_kvguard.plugin.fixture import KvguardFixture
+from pytest_kvguard.plugin.items import BudgetsCollector, CheckItem
+from pytest_kvguard.plugin.options import (
     add_options,
     list_setting,
     path_setting,
@@ -37,10 +39,8 @@ from pytest_kvguard.options import (
     setting,
     timeout_setting,
 )
-from pytest_kvguard.plot import require_matplotlib
-from pytest_kvguard.reporter import KvguardReporter, baseline_warning
-from pytest_kvguard.runner import Runner
-from pytest_kvguard.session import (
+from pytest_kvguard.plugin.reporter import KvguardReporter, baseline_warning
+from pytest_kvguard.plugin.session import (
     BASELINE_KEY,
     BUDGETS_KEY,
     ENVIRONMENTS_KEY,

@@ -13,12 +13,12 @@ from typing import Any
 
 import pytest
 
-from pytest_kvguard.baseline import render_preview
-from pytest_kvguard.outcome import CheckError, Outcome, Row, row_from_json
-from pytest_kvguard.plot import write_plots
-from pytest_kvguard.report import build_report, machine, render_table, step_summary, write_json
+from pytest_kvguard.gate.baseline import render_preview
+from pytest_kvguard.gate.outcome import CheckError, Outcome, Row, row_from_json
+from pytest_kvguard.gate.plot import write_plots
+from pytest_kvguard.gate.report import build_report, machine, render_table, step_summary, write_json
+from pytest_kvguard.plugin.session import BASELINE_KEY, BUDGETS_KEY, PROPERTY
 from pytest_kvguard.scenarios import SCENARIOS
-from pytest_kvguard.session import BASELINE_KEY, BUDGETS_KEY, PROPERTY
 
 
 def baseline_warning(config: pytest.Config) -> str | None:

@@ -33,16 +33,16 @@ from typing import IO, Any
 
 from pytest_kvguard.engines import ENGINES, EngineInfo, EngineOptions
 from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.outcome import Outcome
+from pytest_kvguard.gate.outcome import Outcome
 from pytest_kvguard.scenarios import SCENARIOS
 from pytest_kvguard.scenarios.base import Check
 
-PACKAGE = Path(__file__).resolve().parent
+PACKAGE = Path(__file__).resolve().parents[1]
 START_SECONDS = 300.0
 """How long a worker may take to import kvguard and read its setup before it counts as broken."""
 WORKER_MAIN = (
     "import sys; del sys.path[0]; "  # not the current folder: it may hold another pytest_kvguard
-    "from pytest_kvguard.engine_worker import main; main()"
+    "from pytest_kvguard.isolation.engine_worker import main; main()"
 )
 STDERR_TAIL_LINES = 8
 
@@ -74,7 +74,7 @@ class WorkerSetup:
 
     options: EngineOptions
     fault: str | None = None
-    """A fault from ``pytest_kvguard.faults`` to run every check under (--kvguard-inject-fault)."""
+    """A fault from ``gate.faults`` to run every check under (--kvguard-inject-fault)."""
     engines: dict[str, EngineInfo] = field(default_factory=lambda: dict(ENGINES))
     scenarios: dict[str, Any] = field(default_factory=lambda: dict(SCENARIOS))
     """The registries as this pytest process has them (a test may register a toy engine)."""

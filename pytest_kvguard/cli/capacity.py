@@ -5,7 +5,7 @@ Reads the architecture from a GGUF file or a Hugging Face ``config.json`` (``lay
 llama.cpp holds them (``engines.llama_cpp.kv_size``). Each engine's prediction of a stream's
 KV bytes (the memory scenario's) lives in its own package; ``predict_engine_kv_bytes`` picks it.
 
-    python -m pytest_kvguard.capacity MODEL.gguf|config.json [--contexts 512,1024] [--cap 256]
+    python -m pytest_kvguard.cli.capacity MODEL.gguf|config.json [--contexts 512,1024] [--cap 256]
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from pytest_kvguard.engines.llama_cpp import kv_size as llama_cpp_kv_size
 from pytest_kvguard.engines.llama_cpp.kv_size import predict_kv_bytes
 from pytest_kvguard.engines.mlx import kv_size as mlx_kv_size
 from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.models import ModelArch, read_arch
-from pytest_kvguard.policies import Policy
+from pytest_kvguard.gate.policies import Policy
+from pytest_kvguard.inputs.models import ModelArch, read_arch
 from pytest_kvguard.units import mib
 
 DEFAULT_CONTEXTS = (512, 1024, 2048, 4096, 8192)
@@ -141,7 +141,7 @@ def capacity_table(
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m pytest_kvguard.capacity",
+        prog="python -m pytest_kvguard.cli.capacity",
         description="KV-cache bytes per policy and context length, from a GGUF or config.json.",
     )
     parser.add_argument("model", type=Path, help="a .gguf file or a Hugging Face config.json")

@@ -15,14 +15,14 @@ from typing import Any
 
 import pytest
 
-from pytest_kvguard.budgets import Budgets
-from pytest_kvguard.checks import Written, build_check
-from pytest_kvguard.environments import Environments
 from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.outcome import CheckError, Outcome
+from pytest_kvguard.gate.budgets import Budgets
+from pytest_kvguard.gate.checks import Written, build_check
+from pytest_kvguard.gate.outcome import CheckError, Outcome
+from pytest_kvguard.isolation.environments import Environments
+from pytest_kvguard.isolation.workers import WorkerLost, failure_text
+from pytest_kvguard.plugin.session import ENVIRONMENTS_KEY, record, record_error, run_gated
 from pytest_kvguard.scenarios import SCENARIOS
-from pytest_kvguard.session import ENVIRONMENTS_KEY, record, record_error, run_gated
-from pytest_kvguard.workers import WorkerLost, failure_text
 
 FIXTURE_DEFAULTS = {"engine": "llama_cpp", "engines": ["llama_cpp", "mlx"], "model": "smollm2-135m"}
 """What a fixture call gets where it names no engine or model: the bundled default model on

@@ -16,7 +16,7 @@ from functools import cache
 from pathlib import Path
 
 from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.gguf_header import read_gguf_header
+from pytest_kvguard.inputs.gguf_header import read_gguf_header
 from pytest_kvguard.paths import resolve_under
 
 

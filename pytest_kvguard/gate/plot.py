@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.outcome import Outcome, Row
+from pytest_kvguard.gate.outcome import Outcome, Row
 from pytest_kvguard.scenarios import SCENARIOS
 from pytest_kvguard.scenarios.base import Panel
 

@@ -20,20 +20,20 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, cast
 
-from pytest_kvguard.budgets import Budgets
 from pytest_kvguard.engines import ENGINES
 from pytest_kvguard.engines.protocols import CAPABILITIES, PREFIX_CACHE_CAPABILITIES
 from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.models import BUNDLED_MODELS, env_var_for
-from pytest_kvguard.options import ENVIRONMENT, MODEL_ENVIRONMENT, add_options
-from pytest_kvguard.policies import POLICY_KINDS, POSITION_MODES
-from pytest_kvguard.report import report_schema
+from pytest_kvguard.gate.budgets import Budgets
+from pytest_kvguard.gate.policies import POLICY_KINDS, POSITION_MODES
+from pytest_kvguard.gate.report import report_schema
+from pytest_kvguard.inputs.models import BUNDLED_MODELS, env_var_for
+from pytest_kvguard.plugin.options import ENVIRONMENT, MODEL_ENVIRONMENT, add_options
 from pytest_kvguard.scenarios import SCENARIOS
 from pytest_kvguard.scenarios.base import PARAM_KINDS, Fields, Scenario
 
 REFERENCE = Path("docs/reference.md")
 """Where the generated tables live, relative to the repository root."""
-FIX = "kvguard-docs --write (or: python -m pytest_kvguard.docs --write)"
+FIX = "kvguard-docs --write (or: python -m pytest_kvguard.cli.docs --write)"
 """The command that regenerates them, as failure messages name it."""
 SECTION = re.compile(
     r"<!-- generated: (?P<name>[\w-]+) -->\n(?P<body>.*?)<!-- end generated -->", re.S

@@ -20,13 +20,13 @@ from pytest_kvguard.engines import (
     load_engine,
 )
 from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.models import ModelRef, file_sha256, read_arch
-from pytest_kvguard.outcome import Outcome
-from pytest_kvguard.policies import Policy
+from pytest_kvguard.gate.outcome import Outcome
+from pytest_kvguard.gate.policies import Policy
+from pytest_kvguard.inputs.models import ModelRef, file_sha256, read_arch
+from pytest_kvguard.inputs.texts import Text
 from pytest_kvguard.scenarios import SCENARIOS
 from pytest_kvguard.scenarios.base import Check, LaterRequest, RunRequest, TextFeed
 from pytest_kvguard.scenarios.feeding import Progress, RunSpec, StreamRun, run_specs
-from pytest_kvguard.texts import Text
 
 T = TypeVar("T")
 

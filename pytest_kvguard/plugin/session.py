@@ -12,22 +12,22 @@ from typing import Any
 
 import pytest
 
-from pytest_kvguard.baseline import (
+from pytest_kvguard.engines import EngineOptions
+from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.gate.baseline import (
     Baseline,
     compare_with_baseline,
     compare_with_other_run,
     other_run_failed,
     tolerances,
 )
-from pytest_kvguard.budgets_file import BudgetsFile
-from pytest_kvguard.engines import EngineOptions
-from pytest_kvguard.environments import Environments
-from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.outcome import CheckError, Outcome
-from pytest_kvguard.runner import Runner
+from pytest_kvguard.gate.budgets_file import BudgetsFile
+from pytest_kvguard.gate.outcome import CheckError, Outcome
+from pytest_kvguard.gate.runner import Runner
+from pytest_kvguard.isolation.environments import Environments
+from pytest_kvguard.isolation.workers import WorkerPool, failure_text
 from pytest_kvguard.scenarios import SCENARIOS
 from pytest_kvguard.scenarios.base import Check
-from pytest_kvguard.workers import WorkerPool, failure_text
 
 BUDGETS_KEY = pytest.StashKey[BudgetsFile]()
 RUNNER_KEY = pytest.StashKey[Runner]()

@@ -207,8 +207,8 @@ def ensure_llama_server(dest: Path, *, rebuild: bool = False, say: Say = print) 
 def needs_llama_server(budgets_path: Path) -> bool:
     """Whether a budgets file has a check that starts llama-server (engine llama_server with a
     model file, not a running server's URL)."""
-    from pytest_kvguard.budgets_file import load_budgets_file
-    from pytest_kvguard.models import is_url
+    from pytest_kvguard.gate.budgets_file import load_budgets_file
+    from pytest_kvguard.inputs.models import is_url
 
     checks = load_budgets_file(budgets_path).checks
     return any("llama_server" in c.engines and not is_url(c.model.name) for c in checks)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_kvguard.faults import FAULTS
+from pytest_kvguard.gate.faults import FAULTS
 
 DEFAULT_TIMEOUT = 1800.0
 """Seconds a check may run before its worker is killed: far above the slowest bundled check."""

@@ -37,17 +37,17 @@ from typing import Any
 
 import yaml
 
-from pytest_kvguard.baseline import Tolerance, parse_tolerance, tolerances
-from pytest_kvguard.budgets import unknown_key_error
-from pytest_kvguard.checks import DEFAULT_KEYS, Written, build_check
 from pytest_kvguard.engines import engine_info
-from pytest_kvguard.environments import (
+from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.gate.baseline import Tolerance, parse_tolerance, tolerances
+from pytest_kvguard.gate.budgets import unknown_key_error
+from pytest_kvguard.gate.checks import DEFAULT_KEYS, Written, build_check
+from pytest_kvguard.isolation.environments import (
     EVERY_ENGINE,
     Environments,
     check_python,
     engine_environments,
 )
-from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.scenarios.base import Check
 
 SCHEMA_VERSION = 1

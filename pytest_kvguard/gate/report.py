@@ -20,7 +20,7 @@ from typing import Any
 from tabulate import tabulate
 
 from pytest_kvguard import __version__
-from pytest_kvguard.outcome import CheckError, Outcome, Row
+from pytest_kvguard.gate.outcome import CheckError, Outcome, Row
 from pytest_kvguard.scenarios import SCENARIOS
 
 REPORT_SCHEMA = 2

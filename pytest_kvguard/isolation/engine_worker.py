@@ -26,9 +26,9 @@ from multiprocessing.connection import Connection
 def serve(receive: Connection, send: Connection) -> None:
     from pytest_kvguard import engines, scenarios
     from pytest_kvguard.errors import KvguardError
-    from pytest_kvguard.faults import inject
-    from pytest_kvguard.runner import Runner, run_check
-    from pytest_kvguard.workers import WorkerSetup
+    from pytest_kvguard.gate.faults import inject
+    from pytest_kvguard.gate.runner import Runner, run_check
+    from pytest_kvguard.isolation.workers import WorkerSetup
 
     setup: WorkerSetup = receive.recv()
     # The registries as the pytest process has them: a test may add a toy engine or scenario.

@@ -1,0 +1,1 @@
+"""What a check reads: bundled and user-supplied models, GGUF headers, texts."""
