@@ -48,3 +48,14 @@ def test_the_toy_engine_satisfies_the_engine_protocol() -> None:
 
     assert isinstance(FakeEngine(), Engine)
     assert callable(FakeEngine().open_prefix_cache)
+
+
+def test_an_engine_with_an_unknown_path_or_capability_is_refused_by_name() -> None:
+    """An adapter keyed by a scenario's name (the registry before engine paths) would be taken
+    for a server: it is refused when it is registered, naming the key."""
+    from pytest_kvguard.engines import EngineInfo
+
+    with pytest.raises(KvguardError, match="engine 'old' declares 'stream', which kvguard"):
+        EngineInfo("old", "m", "m", "m", "pip install m", policies={"stream": ("full",)})
+    with pytest.raises(KvguardError, match="declares 'attention'"):
+        EngineInfo("old", "m", "m", "m", "pip install m", capabilities=frozenset({"attention"}))

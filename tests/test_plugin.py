@@ -69,15 +69,18 @@ def test_only_the_checks_run_without_test_paths(gate: pytest.Pytester) -> None:
 
 
 def test_collect_only_warns_of_no_check_that_never_ran(gate: pytest.Pytester) -> None:
-    """Nothing runs under --collect-only, so no check is missing from the run."""
+    """Nothing runs under --collect-only, so no check is missing from the run, and no report
+    is written that a CI job could read as a gate run (an earlier one is left alone)."""
     write_budgets(gate)
+    (gate.path / "r.json").write_text("earlier")
     result = gate.runpytest(
         "--kvguard", "budgets.yaml", "--kvguard-json", "r.json", "--collect-only", "-q"
     )
     assert result.ret == pytest.ExitCode.OK
     assert len(collected_ids(result)) == 2
     result.stdout.no_fnmatch_line("*never ran*")
-    assert json.loads((gate.path / "r.json").read_text())["missing_checks"] == []
+    result.stdout.fnmatch_lines(["kvguard: --collect-only: no JSON report written"])
+    assert (gate.path / "r.json").read_text() == "earlier"
 
 
 def test_k_selects_checks(gate: pytest.Pytester) -> None:

@@ -14,8 +14,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pytest_kvguard.engines.options import EngineOptions
-from pytest_kvguard.engines.protocols import Engine
+from pytest_kvguard.engines.protocols import CAPABILITIES, PREFIX_CACHE_CAPABILITIES, Engine
 from pytest_kvguard.errors import KvguardError
+
+ENGINE_PATHS = {
+    "feed": "kvguard's own loop feeds the engine and scores every next token (Engine.open_stream)",
+    "feed_unscored": "kvguard's own loop feeds the engine for its memory figures only, no "
+    "logits read (Engine.open_stream)",
+    "prefix_cache": "a cached prompt replayed after an edit (Engine.open_prefix_cache)",
+    "generation": "the engine's own generation (Engine.converse)",
+    "reads_attention": "the engine's attention probabilities under the full cache "
+    "(capability reads_attention)",
+}
+"""How a scenario may drive an engine, and what that path calls."""
 
 
 @dataclass(frozen=True)
@@ -32,10 +43,24 @@ class EngineInfo:
     policies: Mapping[str, tuple[str, ...]] = field(
         default_factory=lambda: {"feed": ("full", "window", "sink")}
     )
-    """Policy kinds the adapter implements, per engine path (``support.ENGINE_PATHS``: how a
+    """Policy kinds the adapter implements, per engine path (``ENGINE_PATHS``: how a
     scenario drives the engine)."""
     position_modes: tuple[str, ...] = ("reindexed", "absolute")
     """Position handling it supports; the first is its own (the default)."""
+
+    def __post_init__(self) -> None:
+        """An adapter registered with a path or capability kvguard does not know would be
+        silently taken for another kind of engine: refuse it by name."""
+        unknown = [p for p in self.policies if p not in ENGINE_PATHS]
+        known_capabilities = {*CAPABILITIES, *PREFIX_CACHE_CAPABILITIES}
+        unknown += [c for c in sorted(self.capabilities) if c not in known_capabilities]
+        if unknown:
+            raise KvguardError(
+                f"engine '{self.name}' declares {', '.join(map(repr, unknown))}, which kvguard "
+                "does not know",
+                fix="key its policies by engine path (" + ", ".join(ENGINE_PATHS) + ") and "
+                "name capabilities from engines.protocols",
+            )
 
     @property
     def native_positions(self) -> str:

@@ -12,17 +12,6 @@ from pytest_kvguard.engines.registry import ENGINES, engine_info
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.gate.policies import Policy
 
-ENGINE_PATHS = {
-    "feed": "kvguard's own loop feeds the engine and scores every next token (Engine.open_stream)",
-    "feed_unscored": "kvguard's own loop feeds the engine for its memory figures only, no "
-    "logits read (Engine.open_stream)",
-    "prefix_cache": "a cached prompt replayed after an edit (Engine.open_prefix_cache)",
-    "generation": "the engine's own generation (Engine.converse)",
-    "reads_attention": "the engine's attention probabilities under the full cache "
-    "(capability reads_attention)",
-}
-"""How a scenario may drive an engine, and what that path calls."""
-
 
 def support_table() -> list[tuple[str, str, tuple[str, ...]]]:
     """(engine path, engine, policy kinds) for every path each engine can run."""

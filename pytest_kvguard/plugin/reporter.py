@@ -64,6 +64,8 @@ class KvguardReporter:
 
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        if self.config.option.collectonly:
+            return  # nothing ran: a report would read as a gate run with no check in it
         self._write_step_summary(int(exitstatus))
         if self.json_path is None:
             return
@@ -148,6 +150,8 @@ class KvguardReporter:
             )
         if self.json_error:
             terminalreporter.write_line(f"kvguard: ERROR {self.json_error}", red=True)
+        elif self.json_path is not None and self.config.option.collectonly:
+            terminalreporter.write_line("kvguard: --collect-only: no JSON report written")
         elif self.json_path is not None:
             terminalreporter.write_line(f"kvguard: JSON report written to {self.json_path}")
             for target in self.plot_paths:

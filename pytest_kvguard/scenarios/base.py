@@ -338,7 +338,7 @@ class Scenario(ABC, Generic[SpecT]):
     takes_baseline: ClassVar[bool] = False
     """Whether the check names a baseline policy (default ``full``)."""
     engine_path: ClassVar[str] = "feed"
-    """How the scenario drives the engine (``engines.support.ENGINE_PATHS``): which of the
+    """How the scenario drives the engine (``engines.registry.ENGINE_PATHS``): which of the
     engine's policy kinds a check may name."""
     serves_running_server: ClassVar[bool] = False
     """Whether a check may name a running server's URL as its model: the HTTP API gives what
