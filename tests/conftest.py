@@ -101,6 +101,7 @@ def inner_runs_in_file_order(
     """pytest-randomly shuffles this suite, not the runs a test starts with pytester: those
     judge the plugin's output for one budgets file or test file, row by row in its order."""
     if "pytester" in request.fixturenames:
+        request.getfixturevalue("pytester")  # it clears PYTEST_ADDOPTS as it starts
         given = os.environ.get("PYTEST_ADDOPTS", "")
         monkeypatch.setenv("PYTEST_ADDOPTS", f"{given} -p no:randomly".strip())
 
