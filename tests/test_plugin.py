@@ -815,3 +815,28 @@ def test_turns(kvguard):
 """
     )
     gate.runpytest().assert_outcomes(passed=2)
+
+
+def test_checks_run_in_file_order_whatever_shuffles_the_session(gate: pytest.Pytester) -> None:
+    """pytest-randomly shuffles the session; a budgets file's checks are put back in the order
+    the file declares them (which check computes a shared run follows it), test files and all."""
+    names = [f"toy-{i}" for i in range(6)]
+    gate.makefile(
+        ".yaml",
+        budgets="version: 1\ndefaults: {engine: fake, model: tiny.gguf, params: {tokens: 200}}\n"
+        "checks:\n"
+        + "".join(
+            f"  - name: {n}\n    policy: sink\n    params: {{cap: {64 + i}}}\n"
+            "    budgets: {max_kv_entries: 70}\n"
+            for i, n in enumerate(names)
+        ),  # fmt: skip
+    )
+    gate.makepyfile(test_other="def test_other():\n    pass\n")
+    for seed in (1, 2, 3):
+        result = gate.runpytest("--kvguard", "budgets.yaml", "test_other.py", "-p", "randomly",
+                                f"--randomly-seed={seed}",
+                                "--kvguard-json", "r.json", "-v")  # fmt: skip
+        result.assert_outcomes(passed=7)
+        result.stdout.fnmatch_lines([f"*Using --randomly-seed={seed}*"])
+        report = json.loads((gate.path / "r.json").read_text())
+        assert [c["name"] for c in report["checks"]] == names

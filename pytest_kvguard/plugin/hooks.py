@@ -203,7 +203,9 @@ def kvguard(request: pytest.FixtureRequest) -> KvguardFixture:
     return KvguardFixture(request)
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _checks_in_file_order(items)
     for item in items:
         for marker in item.iter_markers("kv_budget"):
             try:
@@ -213,6 +215,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                     f"{item.nodeid}: bad @pytest.mark.kv_budget: {exc} "
                     f"(fix: keyword arguments from {', '.join(Budgets.names())})"
                 ) from None
+
+
+def _checks_in_file_order(items: list[pytest.Item]) -> None:
+    """Put a budgets file's checks back in the order the file declares them, in the slots they
+    hold, after a plugin that shuffles the session (pytest-randomly) ran: which check computes
+    a run several checks share, and so each one's seconds and the tables' order, follows it."""
+    slots = [i for i, item in enumerate(items) if isinstance(item, CheckItem)]
+    declared = sorted((items[i] for i in slots), key=lambda item: item.reportinfo()[:2])
+    for slot, item in zip(slots, declared, strict=True):
+        items[slot] = item
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
