@@ -234,7 +234,7 @@ NOT_COMPARED = {"replay s", "peak"}
 """Columns README quotes but no run repeats exactly: wall-clock seconds, and peak memory, which
 is process-wide (mlx's allocator peak moves with what the process ran before; see README,
 Determinism)."""
-EXACT = {"check", "model", "policy", "tokens", "baseline", "follow-up", "prompt", "split",
+EXACT = {"check", "model", "policy", "tokens", "baseline", "follow-up", "via", "prompt", "split",
          "reused", "re-prefilled", "held", "positions", "turns", "scored", "fact evicted",
          "verdict"}  # fmt: skip
 """Columns that do not depend on the machine (token counts, settings, verdicts): compared on

@@ -211,6 +211,11 @@ class FakePrefixCache:
         self.n_tokens = 0 if slid_out else min(n_tokens, self.n_tokens)
         return self.n_tokens, None
 
+    def score(self, token_ids: Sequence[int], start: int) -> np.ndarray:
+        """No model: every cache predicts the same (a correctness gap of exactly 0)."""
+        self.extend(token_ids[:-1], start)
+        return np.zeros(len(token_ids) - 1)
+
     def memory_bytes(self) -> dict[str, float]:
         held = min(self.n_tokens, TOY_WINDOW) if self.policy.kind == "swa" else self.n_tokens
         return {"state_bytes": float(held * 64), "checkpoint_bytes": 0.0, "checkpoints": 0.0}

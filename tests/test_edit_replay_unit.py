@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pytest_kvguard.errors import KvguardError
@@ -12,9 +14,12 @@ from pytest_kvguard.scenarios.edit_replay import (
     APPENDED_TURN,
     EDIT_SUFFIX,
     common_prefix,
+    default_via,
     followup,
+    format_gap,
     history,
     load_conversation,
+    reuse_gap,
 )
 
 TUTOR = load_conversation("tutor", Path("."))
@@ -111,6 +116,15 @@ def test_defaults_of_other_scenarios_do_not_leak_in(tmp_path: Path) -> None:
         ),
         ({"params": "{followup: edit, message: 99}"}, "b.yaml:11: edit needs a message index"),
         ({"params": "{followup: append, chat: none.json}"}, "b.yaml:11: chat file 'none.json'"),
+        ({"params": "{followup: append, via: cache}"}, "b.yaml:11: unknown params.via 'cache'"),
+        (
+            {"params": "{followup: append, via: api, checkpoints: 2}", "policy": "swa"},
+            "b.yaml:11: engine llama_cpp's user-facing API keeps no SWA checkpoints",
+        ),
+        (
+            {"params": "{followup: append, reply_tokens: -1}"},
+            "b.yaml:11: params.reply_tokens must be >= 0",
+        ),
     ],
 )
 def test_replay_check_errors(tmp_path: Path, kwargs: dict[str, str], message: str) -> None:
@@ -118,6 +132,41 @@ def test_replay_check_errors(tmp_path: Path, kwargs: dict[str, str], message: st
         load_budgets_file(write(tmp_path, **kwargs))
     assert "\n" not in str(caught.value)
     assert message in str(caught.value).replace(str(tmp_path) + "/", "")
+
+
+def test_via_defaults_to_the_engines_own_api_where_it_has_one(tmp_path: Path) -> None:
+    (check,) = load_budgets_file(write(tmp_path)).checks
+    assert (check.spec.via, check.spec.reply_tokens) == ("api", 64)
+    (memory,) = load_budgets_file(write(tmp_path, params="{followup: append, via: memory}")).checks
+    assert memory.spec.via == "memory"
+    assert default_via("llama_server") == default_via("mlx") == "api"
+
+
+def test_a_server_has_no_memory_path(tmp_path: Path) -> None:
+    text = write(tmp_path, params="{followup: append, via: memory}").read_text()
+    path = tmp_path / "s.yaml"
+    path.write_text(text.replace("policy: full", "policy: full\n    engine: llama_server"))
+    with pytest.raises(KvguardError, match=r"s.yaml:\d+: engine llama_server is a server"):
+        load_budgets_file(path)
+
+
+def test_correctness_budgets_apply_to_edit_replay(tmp_path: Path) -> None:
+    path = write(tmp_path, budgets="{max_mean_abs_nll_diff: 0.01, max_ppl_diff_pct: 0.5}")
+    (check,) = load_budgets_file(path).checks
+    assert check.budgets.declared() == {"max_mean_abs_nll_diff": 0.01, "max_ppl_diff_pct": 0.5}
+
+
+def test_reuse_gap_figures() -> None:
+    fresh = np.array([1.0, 2.0, 3.0])
+    gap = reuse_gap(fresh + np.array([0.0, 0.3, -0.1]), fresh)
+    assert gap["scored_tokens"] == 3
+    assert gap["mean_abs_nll_diff"] == pytest.approx(0.4 / 3)
+    assert gap["max_abs_nll_diff"] == pytest.approx(0.3)
+    assert gap["ppl_diff_pct"] == pytest.approx((math.exp(6.2 / 3) / math.exp(2.0) - 1) * 100)
+    assert reuse_gap(fresh, fresh)["mean_abs_nll_diff"] == 0.0
+    assert math.isnan(reuse_gap(None, fresh)["mean_abs_nll_diff"])
+    assert format_gap(reuse_gap(fresh, fresh)) == "0"
+    assert format_gap(reuse_gap(None, None)) == "-"
 
 
 def test_memory_budget_in_human_units(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pytest_kvguard.engines.options import EngineOptions
 from pytest_kvguard.engines.protocols import (
+    API_STATES,
     CAPABILITIES,
     PREFIX_CACHE_CAPABILITIES,
     AttentionRows,
@@ -18,6 +19,8 @@ from pytest_kvguard.engines.protocols import (
     ReadsAttention,
     ReplaysPrefix,
     ReportsShifts,
+    Reuse,
+    ReusesThroughApi,
     SnapshotsPrefix,
     Stream,
     StreamGroup,
@@ -39,6 +42,7 @@ from pytest_kvguard.engines.support import (
 )
 
 __all__ = [
+    "API_STATES",
     "CAPABILITIES",
     "ENGINES",
     "PREFIX_CACHE_CAPABILITIES",
@@ -51,6 +55,8 @@ __all__ = [
     "ReadsAttention",
     "ReplaysPrefix",
     "ReportsShifts",
+    "Reuse",
+    "ReusesThroughApi",
     "SnapshotsPrefix",
     "Stream",
     "StreamGroup",

@@ -93,11 +93,31 @@ class PrefixCache(Protocol):
         """
         ...
 
+    def score(self, token_ids: Sequence[int], start: int) -> np.ndarray:
+        """Decode ``token_ids[:-1]`` at positions ``start``, ``start + 1``, ... after the cached
+        ones, with logits for each: nll[i] = -log p(token_ids[i + 1]) (len - 1 values)."""
+        ...
+
     def memory_bytes(self) -> dict[str, float]:
         """state_bytes (the cache), checkpoint_bytes, checkpoints (a count)."""
         ...
 
     def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Reuse:
+    """What an engine's own reuse decision did with a follow-up prompt (``ReplaysPrefix``)."""
+
+    reused: int
+    """Prompt tokens the engine kept from its cache."""
+    reprefilled: int
+    """Prompt tokens it decoded again."""
+    restored_checkpoint: int | None
+    """Tokens covered by the checkpoint it restored, if it did."""
+    reply_nll: np.ndarray | None
+    """-log p of each forced reply token, generated right after the prompt from that cache;
+    None where the engine cannot report token probabilities."""
 
 
 @dataclass(frozen=True)
@@ -231,11 +251,44 @@ class SnapshotsPrefix(Protocol):
 
 @runtime_checkable
 class ReplaysPrefix(Protocol):
-    """Prefix-cache capability ``replay``: a server decides its own reuse when the edited prompt
-    arrives, and counts it."""
+    """Prefix-cache capability ``replay``: the engine's own public path (a server, or the API
+    apps call) decides its reuse when the edited prompt arrives, and counts it."""
 
-    def replay(self, token_ids: Sequence[int]) -> tuple[int, int, int | None]:
-        """(tokens reused, tokens prefilled again, checkpoint restored or None)."""
+    def replay(self, token_ids: Sequence[int], reply: Sequence[int]) -> Reuse:
+        """Send the prompt, then generate ``reply`` with each of its tokens forced, scoring
+        each from the logits the engine computed with the reused cache."""
+        ...
+
+    def score_fresh(self, token_ids: Sequence[int], reply: Sequence[int]) -> np.ndarray | None:
+        """The same prompt and forced reply on the same engine and settings, with nothing
+        reused (a fresh prefill): the reference ``replay``'s scores are checked against."""
+        ...
+
+
+API_STATES = {
+    "none": "the Llama keeps the first request's cache and nothing else",
+    "ram": "Llama.set_cache(LlamaRAMCache()): create_completion restores the state it saved "
+    "after the first request (load_state), then prefix-matches the follow-up",
+    "saved": "Llama.save_state() after the first request, reset(), load_state() before the "
+    "follow-up, as an app that persists a conversation does",
+}
+"""How the app around llama-cpp-python's ``Llama`` keeps its states between requests
+(edit_replay's ``api_state``)."""
+
+
+@runtime_checkable
+class ReusesThroughApi(Protocol):
+    """Capability ``api_reuse``: the engine's user-facing API (llama-cpp-python's ``Llama``,
+    mlx-lm's prompt cache as its server keeps one) holds a prompt and decides on its own what
+    it reuses of the next; ``open_api_cache`` returns a prefix cache with ``replay``."""
+
+    def open_api_cache(self, policy: Policy, max_tokens: int, state: str = "none") -> PrefixCache:
+        """A prefix cache held by the API; ``state`` is how the app around it keeps states
+        between requests (llama_cpp: none, ram, saved)."""
+        ...
+
+    def api_calls(self, state: str = "none") -> str:
+        """The public calls the API path makes, in one line (for the report)."""
         ...
 
 
@@ -244,6 +297,7 @@ CAPABILITIES: dict[str, type] = {
     "groups": GroupsStreams,
     "chat_ids": TokenizesChat,
     "shifts": ReportsShifts,
+    "api_reuse": ReusesThroughApi,
 }
 """Optional engine capabilities, by the name ``EngineInfo.capabilities`` declares them with."""
 

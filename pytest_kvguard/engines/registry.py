@@ -22,6 +22,8 @@ ENGINE_PATHS = {
     "feed_unscored": "kvguard's own loop feeds the engine for its memory figures only, no "
     "logits read (Engine.open_stream)",
     "prefix_cache": "a cached prompt replayed after an edit (Engine.open_prefix_cache)",
+    "api_reuse": "a cached prompt replayed through the engine's own public API, which decides "
+    "what it reuses (capability api_reuse)",
     "generation": "the engine's own generation (Engine.converse)",
     "reads_attention": "the engine's attention probabilities under the full cache "
     "(capability reads_attention)",
@@ -104,11 +106,12 @@ ENGINES: dict[str, EngineInfo] = {
                 "feed": ("full", "window", "sink"),
                 "feed_unscored": ("full", "window", "sink", "swa", "swa_full"),
                 "prefix_cache": ("full", "swa", "swa_full"),
+                "api_reuse": ("full", "swa", "swa_full"),
                 "generation": ("window", "sink"),
             },
             max_chunk=512,
             self_evicting=("swa",),
-            capabilities=frozenset({"reads_attention", "groups", "snapshot"}),
+            capabilities=frozenset({"reads_attention", "groups", "snapshot", "api_reuse"}),
         ),
         EngineInfo(
             "mlx",
@@ -120,12 +123,13 @@ ENGINES: dict[str, EngineInfo] = {
                 "feed": ("full", "window", "sink", "swa", "engine_default"),
                 "feed_unscored": ("full", "window", "sink", "swa", "engine_default"),
                 "prefix_cache": ("full", "swa"),
+                "api_reuse": ("full", "swa"),
                 "generation": ("window", "sink", "engine_default"),
             },
             position_modes=("absolute",),
             fixed_evict_step=1,
             model_forms=("gguf", "folder", "hub"),
-            capabilities=frozenset({"reads_attention", "groups"}),
+            capabilities=frozenset({"reads_attention", "groups", "api_reuse"}),
         ),
         EngineInfo(
             "llama_server",

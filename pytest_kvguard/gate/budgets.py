@@ -167,16 +167,19 @@ class Budgets:
         "max",
         " nats",
         "|dNLL|",
-        "mean per-token |NLL difference| between engines",
-        "parity: mean over tokens of |NLL(engine A) - NLL(engine B)| on the same ids, in nats.",
+        "mean per-token |NLL difference| between engines, or reused cache and fresh prefill",
+        "parity: mean over tokens of |NLL(engine A) - NLL(engine B)| on the same ids, in nats; "
+        "edit_replay: the same over the forced reply, the reused cache against a fresh "
+        "prefill of the follow-up on the same engine and settings.",
     )
     max_ppl_diff_pct: float | None = _limit(
         "ppl_diff_pct",
         "max",
         "%",
         "ppl diff",
-        "perplexity difference between engines",
-        "parity: |ppl(B) / ppl(A) - 1| in percent.",
+        "perplexity difference between engines, or reused cache and fresh prefill",
+        "parity: |ppl(B) / ppl(A) - 1| in percent; edit_replay: |ppl(reused) / ppl(fresh) - 1| "
+        "over the forced reply.",
     )
     max_reprefill_tokens: float | None = _limit(
         "reprefill_tokens",

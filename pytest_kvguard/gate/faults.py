@@ -91,6 +91,29 @@ def _checkpoint_not_restored(stack: contextlib.ExitStack) -> None:
     _set(stack, lc, "llama_state_seq_set_data_ext", restore_nothing)
 
 
+def _stale_trim(stack: contextlib.ExitStack) -> None:
+    import sys
+
+    import mlx_lm.models.cache as mlx_cache
+
+    from pytest_kvguard.engines.mlx import stream as adapter
+
+    def trim_nothing(cache: Any, num_tokens: int) -> int:
+        return num_tokens  # says it trimmed; the old prompt's tail stays in the cache
+
+    _set(stack, mlx_cache, "trim_prompt_cache", trim_nothing)
+    _set(stack, adapter, "trim_prompt_cache", trim_nothing)
+    server = sys.modules.get("mlx_lm.server")  # LRUPromptCache lived there in 0.29 to 0.31
+    if server is not None and hasattr(server, "trim_prompt_cache"):
+        _set(stack, server, "trim_prompt_cache", trim_nothing)
+
+
+def _window_not_checked(stack: contextlib.ExitStack) -> None:
+    from pytest_kvguard.engines.llama_cpp.prefix_cache import LlamaCppPrefixCache
+
+    _set(stack, LlamaCppPrefixCache, "_window_held", lambda self, keep: True)
+
+
 def execute_illegal_instruction() -> None:
     """Die of SIGILL by executing an undefined instruction, as an engine built for a newer CPU
     does (ud2 on x86-64, udf on arm64); raise the signal where executable memory is refused."""
@@ -173,6 +196,22 @@ FAULTS: dict[str, Fault] = {
             "llama_state_seq_set_data_ext restores nothing from a sliding-layer checkpoint",
             ("gemma3-ckpt-edit-middle",),
             _checkpoint_not_restored,
+        ),
+        Fault(
+            "stale_trim",
+            "mlx",
+            "trim_prompt_cache reports the tokens trimmed and trims nothing: the follow-up is "
+            "decoded after the old prompt's tail, with the same counts",
+            ("smollm2-mlx-full-edit-end", "smollm2-mlx-full-edit-end-api"),
+            _stale_trim,
+        ),
+        Fault(
+            "window_not_checked",
+            "llama_cpp",
+            "a prefix is reused although the sliding layers no longer hold the window before "
+            "the split (as llama-cpp-python's Llama does with swa_full=False)",
+            ("gemma3-swa-edit-middle",),
+            _window_not_checked,
         ),
         Fault(
             "engine_crash",

@@ -29,8 +29,9 @@ class Context:
     own), or ``n_seq`` sequences that each hold their own cells (a stream group)."""
 
     def __init__(
-        self, engine: LlamaCppEngine, n_ctx: int, swa_full: bool = False, n_seq: int = 1
-    ) -> None:
+        self, engine: LlamaCppEngine, n_ctx: int, swa_full: bool = False, n_seq: int = 1,
+        flash_attn: bool | None = None,
+    ) -> None:  # fmt: skip
         self.n_ctx, self.n_seq = n_ctx, n_seq
         params = lc.llama_context_default_params()
         params.n_ctx = n_ctx  # llama.cpp pads the cell count to a multiple of 256
@@ -44,6 +45,12 @@ class Context:
         params.n_threads = engine.options.n_threads
         params.n_threads_batch = engine.options.n_threads
         params.swa_full = swa_full
+        if flash_attn is not None:  # else llama.cpp's own choice (auto: on, on the CPU)
+            params.flash_attn_type = (
+                lc.LLAMA_FLASH_ATTN_TYPE_ENABLED
+                if flash_attn
+                else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
+            )
         params.no_perf = True
         with captured_log() as log:
             ctx = lc.llama_init_from_model(engine.model, params)
@@ -94,13 +101,15 @@ class CacheSequence:
 
     def __init__(
         self, engine: LlamaCppEngine, n_ctx: int, swa_full: bool = False,
-        shared: Context | None = None, seq: int = SEQ,
+        shared: Context | None = None, seq: int = SEQ, flash_attn: bool | None = None,
     ) -> None:  # fmt: skip
         self.engine = engine
         self.seq = seq
         self.n_ctx = n_ctx
         """The cells asked for (of a context of its own; what a row of a group reports as)."""
-        self.own_context: Context | None = None if shared else Context(engine, n_ctx, swa_full)
+        self.own_context: Context | None = (
+            None if shared else Context(engine, n_ctx, swa_full, flash_attn=flash_attn)
+        )
         context = shared or self.own_context
         assert context is not None
         self.context = context

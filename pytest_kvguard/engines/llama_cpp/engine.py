@@ -15,6 +15,7 @@ import numpy as np
 from pytest_kvguard.engines import gguf_vocab
 from pytest_kvguard.engines.buffer_sizes import buffer_mib
 from pytest_kvguard.engines.conversation import Turn, converse_through_stream
+from pytest_kvguard.engines.llama_cpp.api_cache import API_CALLS, LlamaApiCache
 from pytest_kvguard.engines.llama_cpp.attention import read_attention
 from pytest_kvguard.engines.llama_cpp.context import UBATCH
 from pytest_kvguard.engines.llama_cpp.group import LlamaCppStreamGroup, solo_facts
@@ -22,7 +23,7 @@ from pytest_kvguard.engines.llama_cpp.prefix_cache import LlamaCppPrefixCache
 from pytest_kvguard.engines.llama_cpp.stream import LlamaCppStream
 from pytest_kvguard.engines.llama_log import captured_log, init_backend, log_excerpt
 from pytest_kvguard.engines.options import EngineOptions
-from pytest_kvguard.engines.protocols import AttentionRows
+from pytest_kvguard.engines.protocols import API_STATES, AttentionRows
 from pytest_kvguard.errors import EngineError
 from pytest_kvguard.gate.policies import Policy
 
@@ -91,6 +92,13 @@ class LlamaCppEngine:
 
     def open_prefix_cache(self, policy: Policy, max_tokens: int) -> LlamaCppPrefixCache:
         return LlamaCppPrefixCache(self, policy, max_tokens)
+
+    def open_api_cache(self, policy: Policy, max_tokens: int, state: str = "none") -> LlamaApiCache:
+        """A ``Llama`` of its own (the model loaded again through llama-cpp-python's API)."""
+        return LlamaApiCache(self, policy, max_tokens, state)
+
+    def api_calls(self, state: str = "none") -> str:
+        return API_CALLS + ("" if state == "none" else f", states: {API_STATES[state]}")
 
     group_figures_own = True
     """A row of a stream group reports what a context of its own would (``group``)."""

@@ -9,10 +9,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import llama_cpp as lc
+import numpy as np
 
 from pytest_kvguard.engines.llama_cpp.context import SEQ, UBATCH, CacheSequence
 from pytest_kvguard.errors import EngineError, KvguardError
 from pytest_kvguard.gate.policies import Policy
+from pytest_kvguard.scoring import nll_of
 
 if TYPE_CHECKING:
     from pytest_kvguard.engines.llama_cpp.engine import LlamaCppEngine
@@ -42,7 +44,12 @@ class LlamaCppPrefixCache(CacheSequence):
                 fix="upgrade llama-cpp-python, or leave checkpoints out of this check",
             )
         swa_full = policy.kind == "swa_full"
-        super().__init__(engine, max_tokens + 1, swa_full=swa_full)
+        # Flash attention off, as llama-cpp-python's Llama has it by default. With it on
+        # (llama.cpp's auto: on, on the CPU) the scores depend on how the prefill was split
+        # into batches, so a prefix kept from the first prompt's batches and the same prefix
+        # prefilled again predict differently even when the reuse is right (docs/scenarios/
+        # edit_replay.md has the figures), and the reuse gap would measure the kernel.
+        super().__init__(engine, max_tokens + 1, swa_full=swa_full, flash_attn=False)
         self.policy = policy
         # With swa_full the sliding layers keep everything: for reuse they behave as full ones.
         self.n_swa = 0 if swa_full else int(lc.llama_model_n_swa(engine.model))
@@ -54,6 +61,17 @@ class LlamaCppPrefixCache(CacheSequence):
             chunk = token_ids[offset : offset + UBATCH]
             self._decode(chunk, start + offset, all_logits=False)
             self._maybe_checkpoint(start + offset + len(chunk))
+
+    def score(self, token_ids: Sequence[int], start: int) -> np.ndarray:
+        """Decode ``token_ids[:-1]`` with logits for each; -log p of each next token."""
+        decoded, targets = token_ids[:-1], np.asarray(token_ids[1:])
+        nll = []
+        for offset in range(0, len(decoded), UBATCH):
+            chunk = decoded[offset : offset + UBATCH]
+            self._decode(chunk, start + offset, all_logits=True)
+            logits = self.context.logits(len(chunk), self.engine.n_vocab)
+            nll.append(nll_of(logits, targets[offset : offset + len(chunk)]))
+        return np.concatenate(nll) if nll else np.zeros(0)
 
     def _maybe_checkpoint(self, n_tokens: int) -> None:
         policy = self.policy

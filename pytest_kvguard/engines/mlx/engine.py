@@ -25,6 +25,7 @@ import numpy as np  # noqa: E402
 from mlx_lm.models.cache import RotatingKVCache  # noqa: E402
 
 from pytest_kvguard.engines.conversation import Turn  # noqa: E402
+from pytest_kvguard.engines.mlx.api_cache import MlxApiCache, api_calls  # noqa: E402
 from pytest_kvguard.engines.mlx.attention import read_attention  # noqa: E402
 from pytest_kvguard.engines.mlx.caches import make_caches  # noqa: E402
 from pytest_kvguard.engines.mlx.gguf import load_gguf_model  # noqa: E402
@@ -142,6 +143,12 @@ class MlxEngine:
 
     def open_prefix_cache(self, policy: Policy, max_tokens: int) -> MlxPrefixCache:
         return MlxPrefixCache(self, policy)
+
+    def open_api_cache(self, policy: Policy, max_tokens: int, state: str = "none") -> MlxApiCache:
+        return MlxApiCache(self, policy)  # states kept by the app: llama_cpp only
+
+    def api_calls(self, state: str = "none") -> str:
+        return api_calls()
 
     def converse(
         self, policy: Policy, token_ids: Sequence[int], turns: Sequence[Turn], prefill_step: int

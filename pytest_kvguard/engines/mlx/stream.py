@@ -26,6 +26,7 @@ from pytest_kvguard.engines.mlx.caches import (  # noqa: E402
 )
 from pytest_kvguard.errors import EngineError  # noqa: E402
 from pytest_kvguard.gate.policies import Policy  # noqa: E402
+from pytest_kvguard.scoring import nll_of  # noqa: E402
 
 if TYPE_CHECKING:
     from pytest_kvguard.engines.mlx.engine import MlxEngine
@@ -213,6 +214,17 @@ class MlxPrefixCache:
             self.engine.model(chunk, cache=self.cache)
             eval_caches(self.cache)
         self.n_tokens = start + len(token_ids)
+
+    def score(self, token_ids: Sequence[int], start: int) -> np.ndarray:
+        """Decode ``token_ids[:-1]`` with logits for each; -log p of each next token."""
+        decoded, targets = token_ids[:-1], np.asarray(token_ids[1:])
+        nll = []
+        for offset in range(0, len(decoded), self.CHUNK):
+            chunk = mx.array(list(decoded[offset : offset + self.CHUNK]))[None]
+            logits = np.array(self.engine.model(chunk, cache=self.cache)[0].astype(mx.float32))
+            nll.append(nll_of(logits, targets[offset : offset + logits.shape[0]]))
+        self.n_tokens = start + len(decoded)
+        return np.concatenate(nll) if nll else np.zeros(0)
 
     def keep_prefix(self, keep: int) -> tuple[int, int | None]:
         drop = self.n_tokens - keep

@@ -35,6 +35,7 @@ import numpy as np
 from pytest_kvguard.engines.buffer_sizes import buffer_mib
 from pytest_kvguard.engines.conversation import Turn
 from pytest_kvguard.engines.options import EngineOptions
+from pytest_kvguard.engines.protocols import Reuse
 from pytest_kvguard.engines.served.process import (
     DEFAULT_REQUEST_TIMEOUT,
     REQUEST_TIMEOUT_ENV,
@@ -346,25 +347,47 @@ class ServerPrefixCache:
         if self.engine.url is None:
             self.http.post(f"/slots/{SLOT}?action=erase", {})
 
-    def _complete(self, token_ids: Sequence[int]) -> dict[str, Any]:
-        body = {"prompt": list(token_ids), "n_predict": 1, "cache_prompt": True,
-                "temperature": 0.0, "id_slot": SLOT}  # fmt: skip
+    def _complete(
+        self, token_ids: Sequence[int], reply: Sequence[int] = (), cache_prompt: bool = True
+    ) -> tuple[dict[str, Any], np.ndarray]:
+        """One /completion of the prompt on the slot: with a reply, each of its tokens forced
+        by a grammar of token ids and scored from the probability the server reports for it
+        (one free token, unscored, without). The answer and -log p of each reply token."""
+        body: dict[str, Any] = {
+            "prompt": list(token_ids), "n_predict": max(len(reply), 1),
+            "cache_prompt": cache_prompt, "temperature": 0.0, "id_slot": SLOT,
+        }  # fmt: skip
+        if reply:
+            body.update(grammar="root ::= " + " ".join(f"<[{t}]>" for t in reply), n_probs=1,
+                        post_sampling_probs=False)  # fmt: skip
         answer = self.http.post("/completion", body)
         if not isinstance(answer, dict):
             raise EngineError(
                 f"llama-server's /completion answer is not an object: {answer!r:.120}"
             )
-        return answer
+        if not reply:
+            return answer, np.zeros(0)
+        probs = field(answer, "completion_probabilities", where="/completion")
+        if not isinstance(probs, list) or len(probs) != len(reply):
+            made = len(probs) if isinstance(probs, list) else "no"
+            raise EngineError(f"llama-server generated {made} of {len(reply)} forced tokens")
+        nll = []
+        for entry, wanted in zip(probs, reply, strict=True):
+            if not isinstance(entry, dict) or entry.get("id") != wanted:
+                raise EngineError(f"llama-server sampled {entry!r:.60} where {wanted} was forced")
+            logprob = entry.get("logprob")
+            nll.append(math.inf if logprob is None else -float(logprob))
+        return answer, np.array(nll)
 
     def extend(self, token_ids: Sequence[int], start: int) -> None:
         if start != 0:
             raise EngineError("a llama-server prefix cache is filled by whole prompts only")
-        self.first_answer = self._complete(token_ids)
+        self.first_answer = self._complete(token_ids)[0]
 
-    def replay(self, token_ids: Sequence[int]) -> tuple[int, int, int | None]:
-        """Send the follow-up: (reused, re-prefilled, checkpoint restored) from the server's
-        ``timings.cache_n``, ``timings.prompt_n`` and its log."""
-        answer = self._complete(token_ids)
+    def replay(self, token_ids: Sequence[int], reply: Sequence[int]) -> Reuse:
+        """Send the follow-up (and the forced reply): reused, re-prefilled and the checkpoint
+        restored from the server's ``timings.cache_n``, ``timings.prompt_n`` and its log."""
+        answer, nll = self._complete(token_ids, reply)
         timings = [field(answer, "timings", key, where="/completion")
                    for key in ("cache_n", "prompt_n")]  # fmt: skip
         if not all(isinstance(t, int) for t in timings):
@@ -380,7 +403,15 @@ class ServerPrefixCache:
             log = self.engine.server.log_text()[self.log_start :]
             found = re.findall(r"restored context checkpoint \(.*?n_tokens = (\d+)", log)
             restored = int(found[-1]) if found else None
-        return reused, reprefilled, restored
+        return Reuse(reused, reprefilled, restored, nll if reply else None)
+
+    def score_fresh(self, token_ids: Sequence[int], reply: Sequence[int]) -> np.ndarray:
+        """The same request with ``cache_prompt: false``: the server prefills it all again."""
+        answer, nll = self._complete(token_ids, reply, cache_prompt=False)
+        cached = answer.get("timings", {}).get("cache_n") if isinstance(answer, dict) else None
+        if cached:
+            raise EngineError(f"llama-server reused {cached} tokens with cache_prompt: false")
+        return nll
 
     def memory_bytes(self) -> dict[str, float]:
         """The KV buffer the server's context holds and the checkpoints it made since this
@@ -399,6 +430,9 @@ class ServerPrefixCache:
         }
 
     def keep_prefix(self, n_tokens: int) -> tuple[int, int | None]:
+        raise EngineError("llama-server decides its own reuse: use replay()")
+
+    def score(self, token_ids: Sequence[int], start: int) -> np.ndarray:
         raise EngineError("llama-server decides its own reuse: use replay()")
 
     def close(self) -> None:

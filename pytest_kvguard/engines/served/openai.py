@@ -25,7 +25,10 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from pytest_kvguard.engines.options import EngineOptions
+from pytest_kvguard.engines.protocols import Reuse
 from pytest_kvguard.engines.served.process import (
     DEFAULT_REQUEST_TIMEOUT,
     REQUEST_TIMEOUT_ENV,
@@ -189,8 +192,9 @@ class OpenAIPrefixCache:
             raise EngineError("a server's prefix cache is filled by whole prompts only")
         self._complete(token_ids)  # a cold prompt may report nothing cached, or nothing at all
 
-    def replay(self, token_ids: Sequence[int]) -> tuple[int, int, int | None]:
-        """(reused, re-prefilled, no checkpoint figure) for the follow-up."""
+    def replay(self, token_ids: Sequence[int], reply: Sequence[int]) -> Reuse:
+        """Reused and re-prefilled for the follow-up; no checkpoint figure, and no scores: the
+        reply is not sent (forcing tokens is not part of the OpenAI API)."""
         cached = self._complete(token_ids)
         if cached is None:
             # Some vLLM releases leave the details out when nothing was cached: the same
@@ -202,13 +206,19 @@ class OpenAIPrefixCache:
                     fix=CACHE_REPORT_FLAGS.get(self.engine.dialect, "enable its cache report"),
                 )
             cached = 0
-        return cached, len(token_ids) - cached, None
+        return Reuse(cached, len(token_ids) - cached, None, None)
+
+    def score_fresh(self, token_ids: Sequence[int], reply: Sequence[int]) -> None:
+        return None
 
     def memory_bytes(self) -> dict[str, float]:
         # Not in the API: budgets on memory are refused at parse time for a URL.
         return {"state_bytes": math.nan, "checkpoint_bytes": math.nan, "checkpoints": math.nan}
 
     def keep_prefix(self, n_tokens: int) -> tuple[int, int | None]:
+        raise EngineError("a server decides its own reuse: use replay()")
+
+    def score(self, token_ids: Sequence[int], start: int) -> np.ndarray:
         raise EngineError("a server decides its own reuse: use replay()")
 
     def close(self) -> None:

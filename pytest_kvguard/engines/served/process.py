@@ -227,10 +227,7 @@ class ServerProcess:
             command += ["--no-jinja", "--chat-template", builtin]
         self.command = command
         try:
-            self.process = subprocess.Popen(
-                command, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT,
-                preexec_fn=_die_with_parent if _PRCTL is not None else None,
-            )  # fmt: skip
+            self.process = _spawn(command, self.log)
         except OSError as exc:
             self.log.close()
             self.slot_dir.cleanup()
@@ -324,6 +321,31 @@ def _free_port() -> int:
 
 _PRCTL = ctypes.CDLL(None).prctl if sys.platform == "linux" else None
 """Looked up before any fork: the child of a threaded process should not load libraries."""
+
+
+_SETPRIV = shutil.which("setpriv") if _PRCTL is not None else None
+"""util-linux's setpriv, which sets the parent-death signal and execs the server."""
+
+
+def _spawn(command: list[str], log: Any) -> subprocess.Popen[bytes]:
+    """Start the server, to get SIGTERM when the process that started it dies (Linux).
+
+    Through ``setpriv --pdeathsig`` where it exists: then Python starts it with posix_spawn,
+    which runs no fork handlers. An engine worker that ran mlx has OpenBLAS's handler
+    registered, and forking there hung in it twice in a quick-gate run (inside ``fork()``, in
+    ``libopenblasp``), before the server was ever started. Elsewhere, a fork with
+    ``_die_with_parent`` (or a plain start where there is no prctl, as on macOS).
+    """
+    streams: dict[str, Any] = {"stdin": subprocess.DEVNULL, "stdout": log,
+                               "stderr": subprocess.STDOUT}  # fmt: skip
+    if _SETPRIV is not None:
+        # No preexec_fn and close_fds=False let subprocess use posix_spawn; Python's own fds
+        # are non-inheritable, so the server gets only its three streams.
+        return subprocess.Popen([_SETPRIV, "--pdeathsig", "TERM", *command], close_fds=False,
+                                **streams)  # fmt: skip
+    return subprocess.Popen(
+        command, preexec_fn=_die_with_parent if _PRCTL is not None else None, **streams
+    )
 
 
 def _die_with_parent() -> None:

@@ -1,0 +1,329 @@
+"""``kvguard-saved-cache``: can one mlx-lm release read the prompt caches another one saved?
+
+    kvguard-saved-cache --writer PY --reader PY [--reader PY ...] [--kind plain|rotating|model ...]
+                        [--model smollm2-135m|gemma3-270m|FILE.gguf]
+
+PY is the python of an engine environment (``kvguard-env "mlx-lm==0.31.3"`` prints one). For
+each kind, the writer's mlx-lm saves the bundled chat's prompt cache with its own
+``save_prompt_cache``; each reader loads the file with its own ``load_prompt_cache`` and, where
+that works, scores a forced reply on the loaded cache against a fresh prefill of its own
+(``engines/mlx/saved_cache.py`` does both, in those interpreters). A row PASSes when the file
+loads and the two scores agree within the tolerance; it FAILs, quoting the engine's error in one
+line, when the file does not load or cannot be used, and when the scores are further apart.
+Exit status 1 on any FAIL or ERROR, 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+from tabulate import tabulate
+
+from pytest_kvguard.engines.mlx.saved_cache import (
+    DEFAULT_CAP,
+    DEFAULT_MESSAGES,
+    DEFAULT_REPLY_TOKENS,
+    DEFAULT_SINKS,
+    KINDS,
+)
+from pytest_kvguard.errors import KvguardError
+
+PROG = "kvguard-saved-cache"
+ENTRY = "pytest_kvguard.engines.mlx.saved_cache"
+DEFAULT_KINDS = ("plain", "rotating")
+MAX_MEAN_ABS_NLL_DIFF = 1e-3
+"""nats. A file read back by the release that wrote it scores exactly like a fresh prefill
+(0.0, measured on every release here); the same release prefilling on mlx's bundled reference
+BLAS instead of OpenBLAS moves the mean by about 1e-6 (see docs/saved-caches.md). A misread
+position or a lost entry moves it by tenths of a nat and more."""
+MAX_ABS_NLL_DIFF = 1e-2
+"""nats, for the single worst reply token; the BLAS change above moves it by about 1e-5."""
+TIMEOUT_S = 1800
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """How far a loaded cache's reply scores may be from a fresh prefill's."""
+
+    mean_abs_nll_diff: float = MAX_MEAN_ABS_NLL_DIFF
+    """Mean |NLL difference| over the reply tokens, nats."""
+    max_abs_nll_diff: float = MAX_ABS_NLL_DIFF
+    """Largest |NLL difference| of one reply token, nats."""
+
+
+def judge(read: Mapping[str, Any], tolerance: Tolerance) -> tuple[str, str]:
+    """A reader's result as a verdict (PASS, FAIL or ERROR) and its reason, in one line."""
+    if "loads" not in read:
+        return "ERROR", f"reader failed: {read.get('error', 'no result')}"
+    if not read["loads"]:
+        return "FAIL", f"does not load: {read['error']}"
+    if "replay_error" in read:
+        return "FAIL", f"loads, then fails on use: {read['replay_error']}"
+    if "metadata_error" in read:
+        return "FAIL", f"loads, misread: {read['metadata_error']}"
+    mean, worst = read.get("mean_abs_nll_diff", math.nan), read.get("max_abs_nll_diff", math.nan)
+    if not (mean <= tolerance.mean_abs_nll_diff and worst <= tolerance.max_abs_nll_diff):
+        return "FAIL", (
+            f"loads, but the reply scores {mean:.3g} nats apart on average (max {worst:.3g}) "
+            f"from a fresh prefill; tolerance {tolerance.mean_abs_nll_diff:g} "
+            f"(max {tolerance.max_abs_nll_diff:g})"
+        )
+    return "PASS", ""
+
+
+def run_entry(python: str, args: Sequence[str], timeout: float) -> dict[str, Any]:
+    """One ``saved_cache`` command in another interpreter: its JSON, or ``{"error": line}``."""
+    env = dict(os.environ)
+    from pytest_kvguard.isolation.workers import package_path
+
+    # Only this pytest_kvguard goes on its path, never this environment's site-packages.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_path(), env.get("PYTHONPATH")) if p)
+    try:
+        done = subprocess.run(
+            [python, "-m", ENTRY, *args], capture_output=True, text=True, timeout=timeout,
+            env=env, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return {"error": f"{python} took over {timeout:g} s; killed"}
+    except OSError as exc:
+        return {"error": f"cannot run {python}: {exc.strerror}"}
+    lines = done.stdout.strip().splitlines()
+    try:
+        result: dict[str, Any] = json.loads(lines[-1])
+        return result
+    except (IndexError, json.JSONDecodeError):
+        tail = [line for line in done.stderr.splitlines() if line.strip()][-1:]
+        why = tail[0].strip() if tail else f"exit status {done.returncode}, no output"
+        return {"error": f"{Path(python).name} exited with status {done.returncode}: {why}"}
+
+
+def mlx_lm_version(python: str, written_as: str) -> str:
+    """The mlx-lm release an interpreter has, or a one-line error."""
+    code = "import importlib.metadata as m; print(m.version('mlx-lm'))"
+    try:
+        done = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise KvguardError(f"{written_as} {python}: cannot run it ({exc})") from None
+    if done.returncode != 0:
+        raise KvguardError(
+            f"{written_as} {python} has no mlx-lm",
+            fix='pass an engine environment\'s python (kvguard-env "mlx-lm==X" prints one)',
+        )
+    return done.stdout.strip()
+
+
+def check_matrix(
+    writer: str, readers: Sequence[str], kinds: Sequence[str], model: Path, common: Sequence[str],
+    reply_tokens: int, tolerance: Tolerance, timeout: float,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """Every kind written once by the writer and read by every reader: one row per read."""
+    versions = {py: mlx_lm_version(py, "--writer" if py == writer else "--reader")
+                for py in (writer, *readers)}  # fmt: skip
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="kvguard-saved-cache-") as folder:
+        for kind in kinds:
+            file = Path(folder) / f"{kind}.safetensors"
+            base = ["--model", str(model), "--kind", kind, *common]
+            progress(f"mlx-lm {versions[writer]} saves a {kind} cache of {model.name}")
+            written = run_entry(writer, ["write", *base, "--out", str(file)], timeout)
+            if "error" in written:
+                progress(f"{kind}: the writer failed: {written['error']}")
+            for reader in readers:
+                row = {"writer": versions[writer], "reader": versions[reader], "kind": kind,
+                       "model": model.name, "write": written}  # fmt: skip
+                if "error" in written:
+                    row.update(verdict="ERROR", reason=f"writer failed: {written['error']}")
+                    rows.append(row)
+                    continue
+                progress(f"mlx-lm {versions[reader]} reads it and replays the chat's next turn")
+                reading = ["read", *base, "--file", str(file), "--reply-tokens", str(reply_tokens)]
+                read = run_entry(reader, reading, timeout)
+                verdict, reason = judge(read, tolerance)
+                row.update(read=read, verdict=verdict, reason=reason)
+                progress(f"{kind}: {versions[writer]} -> {versions[reader]}: {verdict} {reason}")
+                rows.append(row)
+    return rows
+
+
+def table(rows: Sequence[Mapping[str, Any]]) -> str:
+    def figure(read: Mapping[str, Any], key: str, form: str) -> str:
+        value = read.get(key)
+        return "-" if value is None or math.isnan(value) else format(value, form)
+
+    lines = []
+    for r in rows:
+        read = r.get("read") or {}
+        loads = ("yes" if read["loads"] else "no") if "loads" in read else "-"
+        verdict = f"{r['verdict']}: {r['reason']}" if r["reason"] else r["verdict"]
+        lines.append([r["writer"], r["reader"], r["kind"], r["model"], loads,
+                      figure(read, "mean_abs_nll_diff", ".3g"),
+                      figure(read, "max_abs_nll_diff", ".3g"),
+                      figure(read, "ppl_diff_pct", ".3g"), verdict])  # fmt: skip
+    headers = ["writer", "reader", "kind", "model", "loads?", "mean |dNLL|", "max |dNLL|",
+               "ppl diff %", "verdict"]  # fmt: skip
+    return tabulate(lines, headers=headers, disable_numparse=True)
+
+
+def progress(message: str) -> None:
+    print(f"{PROG}: {message}", file=sys.stderr, flush=True)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Bad input is one line on stderr and exit status 2, without the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{PROG}: {message} (see {PROG} --help)\n")
+
+
+def count(minimum: int) -> Any:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is below {minimum}")
+        return value
+
+    return parse
+
+
+def nats(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number >= 0")
+    return value
+
+
+def parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog=PROG, description=(__doc__ or "").splitlines()[0])
+    p.add_argument(
+        "--writer",
+        required=True,
+        metavar="PY",
+        help="python of the environment whose mlx-lm saves the cache",
+    )
+    p.add_argument(
+        "--reader",
+        required=True,
+        action="append",
+        metavar="PY",
+        help="python of an environment whose mlx-lm loads it (repeatable)",
+    )
+    p.add_argument(
+        "--kind",
+        action="append",
+        choices=sorted(KINDS),
+        help="cache kind, repeatable: "
+        + "; ".join(f"{k}: {v}" for k, v in KINDS.items())
+        + f" (default: {', '.join(DEFAULT_KINDS)})",
+    )
+    p.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="smollm2-135m (default), gemma3-270m, or a GGUF file",
+    )
+    p.add_argument(
+        "--messages",
+        type=count(2),
+        default=DEFAULT_MESSAGES,
+        help=f"the chat's first this many messages are cached (default {DEFAULT_MESSAGES})",
+    )
+    p.add_argument(
+        "--cap",
+        type=count(1),
+        default=DEFAULT_CAP,
+        help=f"rotating: max_size (default {DEFAULT_CAP})",
+    )
+    p.add_argument(
+        "--sinks",
+        type=count(0),
+        default=DEFAULT_SINKS,
+        help=f"rotating: keep (default {DEFAULT_SINKS})",
+    )
+    p.add_argument(
+        "--reply-tokens",
+        type=count(1),
+        default=DEFAULT_REPLY_TOKENS,
+        help=f"forced reply tokens scored (default {DEFAULT_REPLY_TOKENS})",
+    )
+    p.add_argument(
+        "--max-mean-nll-diff",
+        type=nats,
+        default=MAX_MEAN_ABS_NLL_DIFF,
+        metavar="NATS",
+        help=f"tolerance (default {MAX_MEAN_ABS_NLL_DIFF:g})",
+    )
+    p.add_argument(
+        "--max-abs-nll-diff",
+        type=nats,
+        default=MAX_ABS_NLL_DIFF,
+        metavar="NATS",
+        help=f"tolerance for the worst token (default {MAX_ABS_NLL_DIFF:g})",
+    )
+    p.add_argument("--json", type=Path, metavar="FILE", help="also write every row as JSON")
+    p.add_argument(
+        "--timeout",
+        type=count(1),
+        default=TIMEOUT_S,
+        metavar="S",
+        help=f"seconds one write or read may take (default {TIMEOUT_S})",
+    )
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    from pytest_kvguard.inputs.chats import DEFAULT_CHAT, load_conversation
+    from pytest_kvguard.inputs.models import parse_model
+    from pytest_kvguard.isolation.environments import check_python
+
+    kinds = list(dict.fromkeys(args.kind or DEFAULT_KINDS))
+    if args.sinks >= args.cap and "rotating" in kinds:
+        print(f"{PROG}: --sinks {args.sinks} leaves no room in --cap {args.cap}", file=sys.stderr)
+        return 2
+    try:
+        writer = check_python(args.writer, "--writer")
+        readers = [check_python(r, "--reader") for r in args.reader]
+        # A chat too short fails here, before any engine loads.
+        chat = load_conversation(DEFAULT_CHAT, Path.cwd())
+        if args.messages > len(chat.messages):
+            raise KvguardError(
+                f"--messages {args.messages}: the {DEFAULT_CHAT} chat has {len(chat.messages)}",
+                fix=f"use --messages 2 to {len(chat.messages)}",
+            )
+        # Resolved here: an engine environment need not have the model's package.
+        model = parse_model(args.model, Path.cwd()).resolve()
+        common = ["--messages", str(args.messages), "--cap", str(args.cap),
+                  "--sinks", str(args.sinks)]  # fmt: skip
+        tolerance = Tolerance(args.max_mean_nll_diff, args.max_abs_nll_diff)
+        rows = check_matrix(writer, readers, kinds, model, common, args.reply_tokens,
+                            tolerance, args.timeout)  # fmt: skip
+    except KvguardError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
+    print(table(rows))
+    print(
+        f"tolerance: mean |dNLL| <= {tolerance.mean_abs_nll_diff:g} nats and max |dNLL| <= "
+        f"{tolerance.max_abs_nll_diff:g} nats over {args.reply_tokens} forced reply tokens"
+    )
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
+    return 1 if any(r["verdict"] != "PASS" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

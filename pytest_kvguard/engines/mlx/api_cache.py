@@ -1,0 +1,155 @@
+"""edit_replay through mlx-lm's prompt cache as ``mlx_lm.server`` keeps one between requests:
+the ``LRUPromptCache`` of the installed release (``mlx_lm.models.cache`` from 0.32,
+``mlx_lm.server`` in 0.29 to 0.31) finds the nearest cached prompt for the follow-up and trims
+it where mlx-lm can; ``generate_step`` (what ``stream_generate`` runs) prefills the rest and
+generates. kvguard reads the counts off what the prompt cache hands back and scores a forced
+reply through a logits processor. 0.28 and older have no ``LRUPromptCache``: their server kept
+one cache inside its request handler, which cannot be called on its own."""
+
+from __future__ import annotations
+
+from pytest_kvguard.engines.blas import preload_openblas
+
+BLAS_PATH = preload_openblas()
+
+# The engine is imported only after the BLAS choice above.
+from collections.abc import Callable, Sequence  # noqa: E402
+from typing import TYPE_CHECKING, Any  # noqa: E402
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+from pytest_kvguard.engines.mlx.caches import cache_nbytes, make_caches  # noqa: E402
+from pytest_kvguard.engines.protocols import Reuse  # noqa: E402
+from pytest_kvguard.errors import EngineError, KvguardError  # noqa: E402
+from pytest_kvguard.gate.policies import Policy  # noqa: E402
+
+if TYPE_CHECKING:
+    from pytest_kvguard.engines.mlx.engine import MlxEngine
+
+MODEL_KEY = "kvguard"
+"""The prompt cache's model key (the server's is its model path)."""
+
+
+def lru_prompt_cache() -> tuple[type, str]:
+    """The installed release's ``LRUPromptCache`` and where it lives."""
+    try:
+        from mlx_lm.models.cache import LRUPromptCache
+
+        return LRUPromptCache, "mlx_lm.models.cache.LRUPromptCache"
+    except ImportError:
+        pass
+    try:
+        from mlx_lm.server import LRUPromptCache
+
+        return LRUPromptCache, "mlx_lm.server.LRUPromptCache"
+    except ImportError:
+        import mlx_lm
+
+        raise KvguardError(
+            f"mlx-lm {mlx_lm.__version__} has no LRUPromptCache (it arrived in 0.29.0; before "
+            "it the server kept a single prompt cache inside its request handler)",
+            fix="use via: memory with this release, or mlx-lm 0.29.0 or later for via: api",
+            key="params.via",
+        ) from None
+
+
+def api_calls() -> str:
+    return f"{lru_prompt_cache()[1]} + mlx_lm.generate.generate_step, as mlx_lm.server calls them"
+
+
+def forcing_processor(reply: Sequence[int], nll: list[float]) -> Callable[[Any, Any], Any]:
+    """A logits processor that records -log p of the next reply token under the raw logits,
+    then leaves that token the only one the sampler can pick."""
+
+    def force(tokens: Any, logits: Any) -> Any:
+        if len(nll) >= len(reply):
+            return logits  # generate_step decodes the last reply token too: not scored
+        target = reply[len(nll)]
+        row = logits.astype(mx.float32)
+        nll.append(float((mx.logsumexp(row, axis=-1) - row[:, target]).item()))
+        vocab = mx.arange(logits.shape[-1])
+        return mx.where(vocab == target, 0.0, -mx.inf)[None].astype(logits.dtype)
+
+    return force
+
+
+class MlxApiCache:
+    """mlx-lm's prompt cache holding the first prompt and its one generated token, as the
+    server inserts them; the follow-up takes whatever ``fetch_nearest_cache`` hands back."""
+
+    def __init__(self, engine: MlxEngine, policy: Policy) -> None:
+        self.engine = engine
+        self.policy = policy
+        self.lru = lru_prompt_cache()[0]()
+        self.held: list[Any] = []
+        """The cache inserted after the first prompt (what memory_bytes measures)."""
+
+    def _generate(self, prompt: Sequence[int], cache: list[Any], reply: Sequence[int]) -> tuple[
+        list[int], list[float]
+    ]:  # fmt: skip
+        """``generate_step`` on the prompt with this cache: the reply forced (one token, not
+        forced, without one). The tokens generated and -log p of each reply token."""
+        from mlx_lm.generate import generate_step
+
+        nll: list[float] = []
+        processors = [forcing_processor(reply, nll)] if reply else None
+        steps = generate_step(
+            mx.array(list(prompt)), self.engine.model, max_tokens=max(len(reply), 1),
+            sampler=lambda logprobs: mx.argmax(logprobs, axis=-1),
+            logits_processors=processors, prompt_cache=cache,
+        )  # fmt: skip
+        generated = [int(token) for token, _ in steps]
+        # generate_step leaves its last step computing on its own stream (async_eval): wait for
+        # it, so no mlx thread is still inside OpenBLAS when this worker later forks a
+        # llama-server. Once, unsynchronized, a quick-gate run hung in OpenBLAS's fork handler
+        # there; a short repro did not hang either way, so this is a precaution, not a proof.
+        self._synchronize()
+        if reply and generated != list(reply):
+            raise EngineError(f"mlx-lm generated {generated[:8]}... where the reply was forced")
+        return generated, nll
+
+    @staticmethod
+    def _synchronize() -> None:
+        from mlx_lm import generate as mlx_generate
+
+        stream = getattr(mlx_generate, "generation_stream", None)
+        if stream is not None:
+            mx.synchronize(stream)
+        mx.synchronize()
+
+    def extend(self, token_ids: Sequence[int], start: int) -> None:
+        if start != 0:
+            raise EngineError("mlx-lm's prompt cache is given whole prompts only")
+        cache, rest = self.lru.fetch_nearest_cache(MODEL_KEY, list(token_ids))
+        if cache is None:
+            cache = make_caches(self.engine.model, self.policy)
+        generated, _ = self._generate(rest, cache, ())
+        self.lru.insert_cache(MODEL_KEY, list(token_ids) + generated, cache)
+        self.held = cache
+
+    def replay(self, token_ids: Sequence[int], reply: Sequence[int]) -> Reuse:
+        cache, rest = self.lru.fetch_nearest_cache(MODEL_KEY, list(token_ids))
+        if cache is None:
+            cache = make_caches(self.engine.model, self.policy)
+        reused = len(token_ids) - len(rest)
+        _, nll = self._generate(rest, cache, reply)
+        return Reuse(reused, len(rest), None, np.array(nll) if reply else None)
+
+    def score_fresh(self, token_ids: Sequence[int], reply: Sequence[int]) -> np.ndarray:
+        _, nll = self._generate(token_ids, make_caches(self.engine.model, self.policy), reply)
+        return np.array(nll)
+
+    def memory_bytes(self) -> dict[str, float]:
+        return {"state_bytes": float(sum(cache_nbytes(c) for c in self.held)),
+                "checkpoint_bytes": 0.0, "checkpoints": 0.0}  # fmt: skip
+
+    def keep_prefix(self, n_tokens: int) -> tuple[int, int | None]:
+        raise EngineError("mlx-lm's prompt cache decides its own reuse: use replay()")
+
+    def score(self, token_ids: Sequence[int], start: int) -> np.ndarray:
+        raise EngineError("mlx-lm's prompt cache decides its own reuse: use replay()")
+
+    def close(self) -> None:
+        self.held = []
+        self.lru = None

@@ -1,0 +1,202 @@
+"""Replaying a follow-up on a cache that held the chat before it (edit_replay's run): the
+counts of what was reused and re-prefilled, and the forced reply's scores against a fresh
+prefill of the follow-up on the same engine and settings."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from pytest_kvguard.engines import (
+    Engine,
+    PrefixCache,
+    ReplaysPrefix,
+    ReusesThroughApi,
+    SnapshotsPrefix,
+)
+from pytest_kvguard.errors import EngineError
+from pytest_kvguard.gate.policies import Policy
+from pytest_kvguard.scoring import reuse_gap
+
+
+@dataclass(frozen=True)
+class Replay:
+    """A follow-up prompt served from a cache that held the previous prompt."""
+
+    prompt_tokens: int
+    split: int
+    """Longest common token prefix of the old and new prompt."""
+    reused: int
+    """Tokens the engine kept (llama-server's cache_n)."""
+    reprefilled: int
+    """Tokens decoded again (llama-server's prompt_n)."""
+    restored_checkpoint: int | None
+    """Tokens covered by the checkpoint restored, if one was."""
+    seconds: float
+    reply_nll: np.ndarray | None = None
+    """-log p of each forced reply token after the follow-up, from the reused cache."""
+    fresh_nll: np.ndarray | None = None
+    """The same, after a fresh prefill of the follow-up on the same engine and settings."""
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix: where the edited prompt starts to differ."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@dataclass(frozen=True)
+class ReplayRun:
+    """One policy: the first prompt prefilled, then the follow-up served from its cache."""
+
+    policy: Policy
+    first_prompt_tokens: int
+    replay: Replay
+    memory: dict[str, float]
+    """What the cache (and its checkpoints) cost after the first prompt."""
+    prefill_seconds: float
+    reference_seconds: float = 0.0
+    """The fresh prefill the reused cache is scored against."""
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        r = self.replay
+        return {
+            "first_prompt_tokens": float(self.first_prompt_tokens),
+            "prompt_tokens": float(r.prompt_tokens),
+            "split": float(r.split),
+            "reused_tokens": float(r.reused),
+            "reprefill_tokens": float(r.reprefilled),
+            "reprefill_fraction": r.reprefilled / r.prompt_tokens,
+            "restored_checkpoint": float(
+                -1 if r.restored_checkpoint is None else r.restored_checkpoint
+            ),
+            "state_bytes": self.memory["state_bytes"],
+            "checkpoint_bytes": self.memory["checkpoint_bytes"],
+            "checkpoints": self.memory["checkpoints"],
+            "memory_bytes": self.memory["state_bytes"] + self.memory["checkpoint_bytes"],
+            **reuse_gap(r.reply_nll, r.fresh_nll),
+        }
+
+
+def open_replay_cache(
+    engine: Engine, policy: Policy, max_tokens: int, via: str, state: str = "none"
+) -> PrefixCache:
+    """The cache a follow-up is replayed on: the engine's user-facing API (``api``: it decides
+    the reuse; ``state``: how the app keeps states between requests) or kvguard's own use of
+    the engine's memory operations (``memory``)."""
+    if via == "api" and isinstance(engine, ReusesThroughApi):
+        return engine.open_api_cache(policy, max_tokens, state)
+    return engine.open_prefix_cache(policy, max_tokens)
+
+
+def run_edit_replay(
+    engine: Engine,
+    policy: Policy,
+    first_ids: Sequence[int],
+    followup_ids: Sequence[int],
+    prefilled: object | None = None,
+    reply_ids: Sequence[int] = (),
+    via: str = "memory",
+    api_state: str = "none",
+) -> tuple[ReplayRun, object | None]:
+    """Prefill the first prompt into a fresh cache (or restore ``prefilled``, what the engine's
+    prefix cache ``save`` returned after that prefill), then replay the follow-up against it:
+    through the cache's ``replay`` where it has one (a server, or the API apps call, counting
+    its own reuse), else by keeping the longest prefix the engine can use and prefilling the
+    rest. With ``reply_ids``, the reply is then forced token by token and scored, and scored
+    again after a fresh prefill of the follow-up on the same engine and settings.
+    Also returns the saved prefill for the next follow-up, where the engine can save one."""
+    longest = max(len(first_ids), len(followup_ids)) + len(reply_ids)
+    cache = open_replay_cache(engine, policy, longest, via, api_state)
+    reply_nll: np.ndarray | None = None
+    try:
+        if prefilled is None:
+            started = time.perf_counter()
+            cache.extend(first_ids, 0)
+            seconds = time.perf_counter() - started
+            prefilled = cache.save() if isinstance(cache, SnapshotsPrefix) else None
+        else:
+            assert isinstance(cache, SnapshotsPrefix)  # only a cache that saves has a prefill
+            cache.restore(prefilled)
+            seconds = 0.0  # reused: reported as 0 s, like any run reused from earlier
+        memory = cache.memory_bytes()
+        started = time.perf_counter()
+        split = common_prefix(first_ids, followup_ids)
+        if isinstance(cache, ReplaysPrefix):
+            # The engine's own path decides its reuse when the follow-up arrives, and counts it.
+            reuse = cache.replay(followup_ids, reply_ids)
+            reused, reprefilled = reuse.reused, reuse.reprefilled
+            restored, reply_nll = reuse.restored_checkpoint, reuse.reply_nll
+            if reused > split:
+                raise EngineError(
+                    f"the engine reused {reused} tokens of a follow-up that shares only {split} "
+                    "with the prompt before it: it held the follow-up from an earlier request",
+                    fix="restart the server or flush its prefix cache before the run",
+                )
+        else:
+            # At least one token is decoded, so the follow-up has logits to generate from.
+            reused, restored = cache.keep_prefix(min(split, len(followup_ids) - 1))
+            cache.extend(followup_ids[reused:-1], reused)
+            reprefilled = len(followup_ids) - reused
+            if reply_ids:
+                reply_nll = score_reply(cache, followup_ids, reply_ids)
+            else:
+                cache.extend(followup_ids[-1:], len(followup_ids) - 1)
+        replay_seconds = time.perf_counter() - started
+        started = time.perf_counter()
+        fresh_nll = fresh_reference(engine, cache, policy, longest, via, followup_ids, reply_ids)
+        reference_seconds = time.perf_counter() - started
+    finally:
+        cache.close()
+    replay = Replay(
+        prompt_tokens=len(followup_ids),
+        split=split,
+        reused=reused,
+        reprefilled=reprefilled,
+        restored_checkpoint=restored,
+        seconds=replay_seconds,
+        reply_nll=reply_nll,
+        fresh_nll=fresh_nll,
+    )
+    run = ReplayRun(policy, len(first_ids), replay, memory, seconds, reference_seconds)
+    return run, prefilled
+
+
+def score_reply(cache: PrefixCache, prompt_ids: Sequence[int], reply_ids: Sequence[int]) -> Any:
+    """Decode the prompt's last token and the reply with logits for each: -log p of each reply
+    token (the last prompt token's logits predict the first)."""
+    return cache.score([prompt_ids[-1], *reply_ids], len(prompt_ids) - 1)
+
+
+def fresh_reference(
+    engine: Engine,
+    replayed: PrefixCache,
+    policy: Policy,
+    max_tokens: int,
+    via: str,
+    prompt_ids: Sequence[int],
+    reply_ids: Sequence[int],
+) -> np.ndarray | None:
+    """The forced reply's scores after a fresh prefill of the prompt: through the same public
+    path for ``replay`` caches (the engine's own request with nothing reused), else in a fresh
+    cache of the same policy, prefilled from token 0 in the engine's usual calls."""
+    if not reply_ids:
+        return None
+    if isinstance(replayed, ReplaysPrefix):
+        return replayed.score_fresh(prompt_ids, reply_ids)
+    fresh = open_replay_cache(engine, policy, max_tokens, via)
+    try:
+        fresh.extend(prompt_ids[:-1], 0)
+        nll: np.ndarray = score_reply(fresh, prompt_ids, reply_ids)
+        return nll
+    finally:
+        fresh.close()
