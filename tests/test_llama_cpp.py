@@ -79,8 +79,8 @@ def test_edit_replay_counts_are_repeatable(kvguard_runner: Runner) -> None:
         Written.plain({
             "name": "repeat", "scenario": "edit_replay", "engine": "llama_cpp",
             "model": "gemma3-270m", "policy": "swa",
-            "params": {"chat_messages": 11, "checkpoints": 3, "checkpoint_step": 512,
-                       "followup": "edit", "message": 5},
+            "params": {"via": "memory", "chat_messages": 11, "checkpoints": 3,
+                       "checkpoint_step": 512, "followup": "edit", "message": 5},
         }),
         Written(), base_dir=Path("."), marker_budgets=Budgets(),
     )  # fmt: skip

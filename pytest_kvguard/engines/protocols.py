@@ -267,8 +267,9 @@ class ReplaysPrefix(Protocol):
 
 API_STATES = {
     "none": "the Llama keeps the first request's cache and nothing else",
-    "ram": "Llama.set_cache(LlamaRAMCache()): create_completion restores the state it saved "
-    "after the first request (load_state), then prefix-matches the follow-up",
+    "ram": "Llama.set_cache(LlamaRAMCache()): create_completion saves each request's state and "
+    "loads one only when its prefix is longer than what the Llama holds (so here, with the "
+    "first prompt still held, it is not read)",
     "saved": "Llama.save_state() after the first request, reset(), load_state() before the "
     "follow-up, as an app that persists a conversation does",
 }

@@ -1,6 +1,6 @@
 """edit_replay through mlx-lm's prompt cache as ``mlx_lm.server`` keeps one between requests:
-the ``LRUPromptCache`` of the installed release (``mlx_lm.models.cache`` from 0.32,
-``mlx_lm.server`` in 0.29 to 0.31) finds the nearest cached prompt for the follow-up and trims
+the ``LRUPromptCache`` of the installed release (``mlx_lm.models.cache`` in 0.31.3 and 0.32,
+``mlx_lm.server`` in 0.28.4) finds the nearest cached prompt for the follow-up and trims
 it where mlx-lm can; ``generate_step`` (what ``stream_generate`` runs) prefills the rest and
 generates. kvguard reads the counts off what the prompt cache hands back and scores a forced
 reply through a logits processor. 0.28 and older have no ``LRUPromptCache``: their server kept
@@ -47,9 +47,9 @@ def lru_prompt_cache() -> tuple[type, str]:
         import mlx_lm
 
         raise KvguardError(
-            f"mlx-lm {mlx_lm.__version__} has no LRUPromptCache (it arrived in 0.29.0; before "
-            "it the server kept a single prompt cache inside its request handler)",
-            fix="use via: memory with this release, or mlx-lm 0.29.0 or later for via: api",
+            f"mlx-lm {mlx_lm.__version__} has no LRUPromptCache (0.28.4 has it in mlx_lm.server; "
+            "0.28.0's server kept a single prompt cache inside its request handler)",
+            fix="use via: memory with this release, or a later mlx-lm for via: api",
             key="params.via",
         ) from None
 

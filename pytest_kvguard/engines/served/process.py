@@ -330,8 +330,8 @@ _SETPRIV = shutil.which("setpriv") if _PRCTL is not None else None
 def _spawn(command: list[str], log: Any) -> subprocess.Popen[bytes]:
     """Start the server, to get SIGTERM when the process that started it dies (Linux).
 
-    Through ``setpriv --pdeathsig`` where it exists: then Python starts it with posix_spawn,
-    which runs no fork handlers. An engine worker that ran mlx has OpenBLAS's handler
+    Through ``setpriv --pdeathsig`` where it exists: then Python starts it without a plain
+    fork, so no fork handlers run. An engine worker that ran mlx has OpenBLAS's handler
     registered, and forking there hung in it twice in a quick-gate run (inside ``fork()``, in
     ``libopenblasp``), before the server was ever started. Elsewhere, a fork with
     ``_die_with_parent`` (or a plain start where there is no prctl, as on macOS).
@@ -339,10 +339,9 @@ def _spawn(command: list[str], log: Any) -> subprocess.Popen[bytes]:
     streams: dict[str, Any] = {"stdin": subprocess.DEVNULL, "stdout": log,
                                "stderr": subprocess.STDOUT}  # fmt: skip
     if _SETPRIV is not None:
-        # No preexec_fn and close_fds=False let subprocess use posix_spawn; Python's own fds
-        # are non-inheritable, so the server gets only its three streams.
-        return subprocess.Popen([_SETPRIV, "--pdeathsig", "TERM", *command], close_fds=False,
-                                **streams)  # fmt: skip
+        # No preexec_fn: subprocess starts it with vfork (CPython 3.10+ on Linux), which runs
+        # no fork handlers; close_fds keeps the worker's pipes to pytest out of the server.
+        return subprocess.Popen([_SETPRIV, "--pdeathsig", "TERM", *command], **streams)
     return subprocess.Popen(
         command, preexec_fn=_die_with_parent if _PRCTL is not None else None, **streams
     )
