@@ -10,17 +10,16 @@ import pytest
 
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.gate.budgets_file import load_budgets_file
-from pytest_kvguard.scenarios.edit_replay import (
+from pytest_kvguard.inputs.chats import (
     APPENDED_TURN,
     EDIT_SUFFIX,
-    common_prefix,
-    default_via,
     followup,
-    format_gap,
     history,
     load_conversation,
-    reuse_gap,
 )
+from pytest_kvguard.scenarios.edit_replay import default_via, format_gap
+from pytest_kvguard.scenarios.replaying import common_prefix
+from pytest_kvguard.scoring import reuse_gap
 
 TUTOR = load_conversation("tutor", Path("."))
 
@@ -124,6 +123,13 @@ def test_defaults_of_other_scenarios_do_not_leak_in(tmp_path: Path) -> None:
         (
             {"params": "{followup: append, reply_tokens: -1}"},
             "b.yaml:11: params.reply_tokens must be >= 0",
+        ),
+        (
+            {
+                "params": "{followup: append, reply_tokens: 0}",
+                "budgets": "{max_mean_abs_nll_diff: 0.01}",
+            },
+            "b.yaml:12: budget max_mean_abs_nll_diff compares a scored reply with a fresh prefill",
         ),
     ],
 )

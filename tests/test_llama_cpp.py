@@ -98,12 +98,8 @@ def test_a_restored_prefill_replays_like_a_fresh_one(kvguard_runner: Runner) -> 
     re-prefills and costs exactly what it does after prefilling the chat itself (swa_full;
     test_edit_replay_counts_are_repeatable does it with checkpoints)."""
     policy = make_policy("swa_full")
-    from pytest_kvguard.scenarios.edit_replay import (
-        followup,
-        history,
-        load_conversation,
-        run_edit_replay,
-    )
+    from pytest_kvguard.inputs.chats import followup, history, load_conversation
+    from pytest_kvguard.scenarios.replaying import run_edit_replay
 
     engine = kvguard_runner.engine("llama_cpp", ModelRef("gemma3-270m"))
     chat = load_conversation("tutor", Path(".")).first(11)

@@ -659,7 +659,7 @@ def test_edit_replay_mechanics_on_the_toy_engine(gate: pytest.Pytester) -> None:
     # The split is where the two rendered prompts' tokens first differ.
     from kvguard_fake_engine import FakeEngine
 
-    from pytest_kvguard.scenarios.edit_replay import followup, history, load_conversation
+    from pytest_kvguard.inputs.chats import followup, history, load_conversation
 
     toy, chat = FakeEngine(), load_conversation("tutor", Path("."))
     before = toy.tokenize(toy.render_chat(history(chat)))

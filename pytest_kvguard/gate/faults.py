@@ -208,8 +208,9 @@ FAULTS: dict[str, Fault] = {
         Fault(
             "window_not_checked",
             "llama_cpp",
-            "a prefix is reused although the sliding layers no longer hold the window before "
-            "the split (as llama-cpp-python's Llama does with swa_full=False)",
+            "kvguard's memory path keeps a prefix although the sliding layers no longer hold "
+            "the window before the split (llama-cpp-python's Llama does so with swa_full=False; "
+            "its reuse gap catches that); llama.cpp then holds no position of the sequence",
             ("gemma3-swa-edit-middle",),
             _window_not_checked,
         ),

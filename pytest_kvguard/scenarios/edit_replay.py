@@ -23,15 +23,11 @@ from pytest_kvguard.engines import (
     engine_info,
 )
 from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.gate.budgets import Budgets
 from pytest_kvguard.gate.policies import DEFAULT_CHECKPOINT_STEP, Policy
 from pytest_kvguard.inputs.chats import (
-    APPENDED_TURN,
     DEFAULT_CHAT,
-    EDIT_SUFFIX,
     FOLLOWUPS,
-    REPLY,
-    Conversation,
-    Message,
     followup,
     history,
     load_conversation,
@@ -39,25 +35,8 @@ from pytest_kvguard.inputs.chats import (
 )
 from pytest_kvguard.inputs.texts import Text
 from pytest_kvguard.scenarios.base import Check, Context, Fields, Measured, Param, Scenario
-from pytest_kvguard.scenarios.replaying import (
-    Replay,
-    ReplayRun,
-    common_prefix,
-    fresh_reference,
-    open_replay_cache,
-    run_edit_replay,
-    score_reply,
-)
-from pytest_kvguard.scoring import reuse_gap
+from pytest_kvguard.scenarios.replaying import run_edit_replay
 from pytest_kvguard.units import mib
-
-__all__ = [
-    "APPENDED_TURN", "DEFAULT_CHAT", "EDIT_SUFFIX", "FOLLOWUPS", "REPLY", "SCENARIO", "VIA",
-    "Conversation", "EditReplayScenario", "Message", "Replay", "ReplayDetail", "ReplayRun",
-    "ReplaySpec", "common_prefix", "default_via", "followup", "format_gap", "fresh_reference",
-    "history", "load_conversation", "open_replay_cache", "reply_ids", "reuse_gap",
-    "run_edit_replay", "score_reply",
-]  # fmt: skip
 
 VIA = {
     "api": "the engine's user-facing API decides the reuse: llama-cpp-python's Llama, mlx-lm's "
@@ -82,7 +61,8 @@ class ReplaySpec:
     api_state: str = "none"
     """How the app around llama-cpp-python's Llama keeps states (``API_STATES``)."""
     reply_tokens: int = 64
-    """Forced reply tokens scored against a fresh prefill (0: not scored)."""
+    """Forced reply tokens scored against a fresh prefill (0: not scored, also where the
+    engine is a server elsewhere speaking the OpenAI API, which cannot force tokens)."""
 
     def describe_followup(self) -> str:
         """``edit #13``, ``append``."""
@@ -209,8 +189,22 @@ class EditReplayScenario(Scenario[ReplaySpec]):
         # Parse the chat now: a bad file or index fails before any engine loads.
         conversation = load_conversation(p["chat"], fields.base_dir).first(p["chat_messages"])
         followup(conversation, kind, message)
+        reply_tokens = 0 if info.remote else p["reply_tokens"]
         return ReplaySpec(policy, p["chat"], kind, message, p["chat_messages"], via,
-                          p["api_state"], p["reply_tokens"])  # fmt: skip
+                          p["api_state"], reply_tokens)  # fmt: skip
+
+    def check_budgets(self, spec: ReplaySpec, budgets: Budgets) -> None:
+        """A correctness budget needs a scored reply."""
+        for name in ("max_mean_abs_nll_diff", "max_ppl_diff_pct"):
+            if spec.reply_tokens == 0 and getattr(budgets, name) is not None:
+                raise KvguardError(
+                    f"budget {name} compares a scored reply with a fresh prefill, and this check "
+                    "scores none (reply_tokens: 0, or a server elsewhere: the OpenAI API cannot "
+                    "force tokens)",
+                    fix=f"remove {name}, or set params.reply_tokens to 1 or more on an engine "
+                    "kvguard runs",
+                    key=f"budgets.{name}",
+                )
 
     def run(self, ctx: Context, check: Check[ReplaySpec]) -> Measured:
         """Cache the chat under the policy, send the follow-up, count reused and re-prefilled."""
@@ -226,12 +220,7 @@ class EditReplayScenario(Scenario[ReplaySpec]):
         else:
             first_text, second_text = (loaded.render_chat(chat) for chat in chats)
             first_ids, second_ids = loaded.tokenize(first_text), loaded.tokenize(second_text)
-        # The openai engine's servers (vLLM) report no probabilities of forced tokens here.
-        reply = (
-            []
-            if isinstance(loaded, TokenizesChat)
-            else reply_ids(loaded.tokenize, spec.reply_tokens)
-        )
+        reply = reply_ids(loaded.tokenize, spec.reply_tokens)
         label = (f"{check.engine} {check.model.name} {spec.policy.describe()} {spec.followup} "
                  f"via {spec.via}")  # fmt: skip
         # One prefill per engine, model, policy and chat on the memory path; each follow-up

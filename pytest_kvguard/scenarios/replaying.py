@@ -153,10 +153,16 @@ def run_edit_replay(
                 cache.extend(followup_ids[-1:], len(followup_ids) - 1)
         replay_seconds = time.perf_counter() - started
         started = time.perf_counter()
-        fresh_nll = fresh_reference(engine, cache, policy, longest, via, followup_ids, reply_ids)
-        reference_seconds = time.perf_counter() - started
+        fresh_nll = None
+        if reply_ids and isinstance(cache, ReplaysPrefix):
+            # The engine's own request with nothing reused, on the same server or API object.
+            fresh_nll = cache.score_fresh(followup_ids, reply_ids)
     finally:
         cache.close()
+    if reply_ids and fresh_nll is None and not isinstance(cache, ReplaysPrefix):
+        # Opened after the replayed cache is closed: the two never hold memory at once.
+        fresh_nll = fresh_prefill_scores(engine, policy, longest, followup_ids, reply_ids)
+    reference_seconds = time.perf_counter() - started
     replay = Replay(
         prompt_tokens=len(followup_ids),
         split=split,
@@ -177,23 +183,16 @@ def score_reply(cache: PrefixCache, prompt_ids: Sequence[int], reply_ids: Sequen
     return cache.score([prompt_ids[-1], *reply_ids], len(prompt_ids) - 1)
 
 
-def fresh_reference(
+def fresh_prefill_scores(
     engine: Engine,
-    replayed: PrefixCache,
     policy: Policy,
     max_tokens: int,
-    via: str,
     prompt_ids: Sequence[int],
     reply_ids: Sequence[int],
-) -> np.ndarray | None:
-    """The forced reply's scores after a fresh prefill of the prompt: through the same public
-    path for ``replay`` caches (the engine's own request with nothing reused), else in a fresh
-    cache of the same policy, prefilled from token 0 in the engine's usual calls."""
-    if not reply_ids:
-        return None
-    if isinstance(replayed, ReplaysPrefix):
-        return replayed.score_fresh(prompt_ids, reply_ids)
-    fresh = open_replay_cache(engine, policy, max_tokens, via)
+) -> np.ndarray:
+    """kvguard's memory path: the forced reply's scores in a fresh cache of the same policy,
+    the prompt prefilled from token 0 in the engine's usual calls."""
+    fresh = engine.open_prefix_cache(policy, max_tokens)
     try:
         fresh.extend(prompt_ids[:-1], 0)
         nll: np.ndarray = score_reply(fresh, prompt_ids, reply_ids)

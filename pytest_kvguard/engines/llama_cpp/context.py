@@ -46,11 +46,11 @@ class Context:
         params.n_threads_batch = engine.options.n_threads
         params.swa_full = swa_full
         if flash_attn is not None:  # else llama.cpp's own choice (auto: on, on the CPU)
-            params.flash_attn_type = (
-                lc.LLAMA_FLASH_ATTN_TYPE_ENABLED
-                if flash_attn
-                else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
-            )
+            if hasattr(params, "flash_attn_type"):
+                on, off = lc.LLAMA_FLASH_ATTN_TYPE_ENABLED, lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
+                params.flash_attn_type = on if flash_attn else off
+            else:  # releases before llama.cpp's flash_attn_type: a bool
+                params.flash_attn = flash_attn
         params.no_perf = True
         with captured_log() as log:
             ctx = lc.llama_init_from_model(engine.model, params)

@@ -100,23 +100,9 @@ class MlxApiCache:
             logits_processors=processors, prompt_cache=cache,
         )  # fmt: skip
         generated = [int(token) for token, _ in steps]
-        # generate_step leaves its last step computing on its own stream (async_eval): wait for
-        # it, so no mlx thread is still inside OpenBLAS when this worker later forks a
-        # llama-server. Once, unsynchronized, a quick-gate run hung in OpenBLAS's fork handler
-        # there; a short repro did not hang either way, so this is a precaution, not a proof.
-        self._synchronize()
         if reply and generated != list(reply):
             raise EngineError(f"mlx-lm generated {generated[:8]}... where the reply was forced")
         return generated, nll
-
-    @staticmethod
-    def _synchronize() -> None:
-        from mlx_lm import generate as mlx_generate
-
-        stream = getattr(mlx_generate, "generation_stream", None)
-        if stream is not None:
-            mx.synchronize(stream)
-        mx.synchronize()
 
     def extend(self, token_ids: Sequence[int], start: int) -> None:
         if start != 0:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import functools
 import http.client
 import json
@@ -231,10 +232,7 @@ class ServerProcess:
         except OSError as exc:
             self.log.close()
             self.slot_dir.cleanup()
-            raise KvguardError(
-                f"llama-server {binary} could not be started: {exc.strerror or exc}",
-                fix=f"build it with `bash .ci/install`, or point ${BINARY_ENV} at a working one",
-            ) from None
+            raise cannot_start(binary, exc.strerror or str(exc)) from None
         self.http = Http(
             f"http://127.0.0.1:{port}", timeout, alive=lambda: self.check_alive(grace=2.0)
         )
@@ -324,7 +322,31 @@ _PRCTL = ctypes.CDLL(None).prctl if sys.platform == "linux" else None
 
 
 _SETPRIV = shutil.which("setpriv") if _PRCTL is not None else None
+
+
+def cannot_start(binary: object, reason: str) -> KvguardError:
+    return KvguardError(
+        f"llama-server {binary} could not be started: {reason}",
+        fix=f"build it with `bash .ci/install`, or point ${BINARY_ENV} at a working one",
+    )
+
+
 """util-linux's setpriv, which sets the parent-death signal and execs the server."""
+
+
+_PROGRAM_MAGIC = (b"\x7fELF", b"#!", b"\xcf\xfa\xed\xfe", b"\xca\xfe\xba\xbe")
+"""How an executable starts: ELF, a script, Mach-O (64-bit, universal)."""
+
+
+def _check_executable(path: str) -> None:
+    """Raise the OSError exec would: setpriv execs the server with execvp, which runs a file
+    that is not a program through /bin/sh instead of failing, so the error is found here."""
+    with open(path, "rb") as program:  # a missing file: FileNotFoundError, as exec says
+        start = program.read(4)
+    if not os.access(path, os.X_OK):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+    if not start.startswith(_PROGRAM_MAGIC):
+        raise OSError(errno.ENOEXEC, os.strerror(errno.ENOEXEC), path)
 
 
 def _spawn(command: list[str], log: Any) -> subprocess.Popen[bytes]:
@@ -339,6 +361,7 @@ def _spawn(command: list[str], log: Any) -> subprocess.Popen[bytes]:
     streams: dict[str, Any] = {"stdin": subprocess.DEVNULL, "stdout": log,
                                "stderr": subprocess.STDOUT}  # fmt: skip
     if _SETPRIV is not None:
+        _check_executable(command[0])
         # No preexec_fn: subprocess starts it with vfork (CPython 3.10+ on Linux), which runs
         # no fork handlers; close_fds keeps the worker's pipes to pytest out of the server.
         return subprocess.Popen([_SETPRIV, "--pdeathsig", "TERM", *command], **streams)
