@@ -118,6 +118,10 @@ class Reuse:
     reply_nll: np.ndarray | None
     """-log p of each forced reply token, generated right after the prompt from that cache;
     None where the engine cannot report token probabilities."""
+    window_missing: int | None = None
+    """Positions the first re-prefilled token attends to in the sliding layers that the
+    cache no longer held when the engine kept its prefix (0: the window was all there); None
+    where the engine's state cannot be read."""
 
 
 @dataclass(frozen=True)
@@ -243,7 +247,8 @@ class SnapshotsPrefix(Protocol):
     of the same policy made to hold it, so edit_replay prefills each chat once per policy."""
 
     def save(self) -> object:
-        """A snapshot of what the cache holds, in the engine's own state format."""
+        """A snapshot of what the cache holds, in the engine's own state format; None where a
+        restored snapshot would not predict exactly as the cache it came from."""
         ...
 
     def restore(self, saved: object) -> None: ...

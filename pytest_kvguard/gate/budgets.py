@@ -206,6 +206,17 @@ class Budgets:
         "cached tokens reused",
         "edit_replay: tokens served from the cache (llama-server's cache_n).",
     )
+    max_window_missing_tokens: float | None = _limit(
+        "window_missing_tokens",
+        "max",
+        " tokens",
+        "window missing",
+        "sliding-window positions missing under the reused prefix",
+        "edit_replay, llama_cpp via api: of the positions the first re-prefilled token attends "
+        "to in the sliding layers, those the cache no longer held when the engine kept its "
+        "prefix (llama_memory_seq_pos_min). Above 0 the reused prefix is wrong whatever the "
+        "scores say; the memory path never reuses such a prefix.",
+    )
     max_memory_bytes: float | str | None = _limit(
         "memory_bytes",
         "max",

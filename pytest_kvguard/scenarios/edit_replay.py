@@ -116,7 +116,8 @@ class EditReplayScenario(Scenario[ReplaySpec]):
               "prefill (0: no correctness score)", minimum=0),
     )  # fmt: skip
     budgets = ("max_reprefill_tokens", "max_reprefill_fraction", "min_reused_tokens",
-               "max_memory_bytes", "max_mean_abs_nll_diff", "max_ppl_diff_pct")  # fmt: skip
+               "max_memory_bytes", "max_mean_abs_nll_diff", "max_ppl_diff_pct",
+               "max_window_missing_tokens")  # fmt: skip
     engine_path = "prefix_cache"
     detail_type = ReplayDetail
     serves_running_server = True

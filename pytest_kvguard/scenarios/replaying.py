@@ -41,6 +41,8 @@ class Replay:
     """-log p of each forced reply token after the follow-up, from the reused cache."""
     fresh_nll: np.ndarray | None = None
     """The same, after a fresh prefill of the follow-up on the same engine and settings."""
+    window_missing: int | None = None
+    """Sliding-window positions under the reused prefix the cache no longer held (Reuse)."""
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -84,7 +86,9 @@ class ReplayRun:
             "checkpoints": self.memory["checkpoints"],
             "memory_bytes": self.memory["state_bytes"] + self.memory["checkpoint_bytes"],
             **reuse_gap(r.reply_nll, r.fresh_nll),
-        }
+            **({} if r.window_missing is None else
+               {"window_missing_tokens": float(r.window_missing)}),
+        }  # fmt: skip
 
 
 def open_replay_cache(
@@ -118,6 +122,7 @@ def run_edit_replay(
     longest = max(len(first_ids), len(followup_ids)) + len(reply_ids)
     cache = open_replay_cache(engine, policy, longest, via, api_state)
     reply_nll: np.ndarray | None = None
+    window_missing: int | None = None
     try:
         if prefilled is None:
             started = time.perf_counter()
@@ -136,6 +141,7 @@ def run_edit_replay(
             reuse = cache.replay(followup_ids, reply_ids)
             reused, reprefilled = reuse.reused, reuse.reprefilled
             restored, reply_nll = reuse.restored_checkpoint, reuse.reply_nll
+            window_missing = reuse.window_missing
             if reused > split:
                 raise EngineError(
                     f"the engine reused {reused} tokens of a follow-up that shares only {split} "
@@ -172,6 +178,7 @@ def run_edit_replay(
         seconds=replay_seconds,
         reply_nll=reply_nll,
         fresh_nll=fresh_nll,
+        window_missing=window_missing,
     )
     run = ReplayRun(policy, len(first_ids), replay, memory, seconds, reference_seconds)
     return run, prefilled

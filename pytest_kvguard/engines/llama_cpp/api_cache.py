@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import llama_cpp as lc
 import numpy as np
 
 from pytest_kvguard.engines.llama_cpp.context import UBATCH
@@ -45,6 +46,16 @@ def forcing_processor(reply: Sequence[int], nll: list[float]) -> Callable[[Any, 
     return force
 
 
+def window_missing(kept: int, oldest_held: int, n_swa: int) -> int:
+    """Positions the token at ``kept`` attends to in the sliding layers (the ``n_swa - 1``
+    before it) that a cache whose oldest position is ``oldest_held`` (-1: none, as when
+    ``Llama.generate``'s seq_rm emptied the sliding cells) no longer has."""
+    if not kept or not n_swa:  # nothing kept, or no sliding window
+        return 0
+    oldest = kept if oldest_held < 0 else min(oldest_held, kept)
+    return max(0, oldest - max(0, kept - n_swa + 1))
+
+
 class LlamaApiCache:
     """A ``Llama`` holding the first prompt; the follow-up's reuse is its own decision.
 
@@ -78,10 +89,17 @@ class LlamaApiCache:
             self.llm.set_cache(LlamaRAMCache())
         self.evaluations: list[tuple[int, int]] = []
         """(n_tokens before, tokens evaluated) of each ``Llama.eval`` call of a request."""
+        self.oldest_held: list[int] = []
+        """The oldest position the cache held at each ``Llama.eval`` call of a request."""
+        # With swa_full the sliding layers keep every position: no window can go missing.
+        self.n_swa = 0 if swa_full is not False else int(lc.llama_model_n_swa(engine.model))
         real_eval = self.llm.eval
 
         def counted_eval(tokens: Sequence[int]) -> None:
+            # Read after Llama.generate's own seq_rm of what it does not keep, before the decode.
             self.evaluations.append((int(self.llm.n_tokens), len(tokens)))
+            memory = lc.llama_get_memory(self.llm.ctx)
+            self.oldest_held.append(int(lc.llama_memory_seq_pos_min(memory, 0)))
             real_eval(tokens)
 
         self.llm.eval = counted_eval  # type: ignore[method-assign]
@@ -93,6 +111,7 @@ class LlamaApiCache:
 
         nll: list[float] = []
         self.evaluations.clear()
+        self.oldest_held.clear()
         answer = self.llm.create_completion(
             prompt=list(token_ids), max_tokens=max(len(reply), 1), temperature=0.0,
             logits_processor=LogitsProcessorList([forcing_processor(reply, nll)]) if reply
@@ -130,7 +149,10 @@ class LlamaApiCache:
                 f"Llama kept {kept} tokens and evaluated {evaluated} for a {len(token_ids)}-"
                 "token prompt"
             )
-        return Reuse(kept, evaluated, None, np.array(nll) if reply else None)
+        return Reuse(
+            kept, evaluated, None, np.array(nll) if reply else None,
+            window_missing(kept, self.oldest_held[0], self.n_swa),
+        )  # fmt: skip
 
     def score_fresh(self, token_ids: Sequence[int], reply: Sequence[int]) -> np.ndarray:
         # No saved state, and n_tokens = 0: nothing matches, the prompt is evaluated from 0.

@@ -53,6 +53,7 @@ class LlamaCppPrefixCache(CacheSequence):
         self.policy = policy
         # With swa_full the sliding layers keep everything: for reuse they behave as full ones.
         self.n_swa = 0 if swa_full else int(lc.llama_model_n_swa(engine.model))
+        self.has_sliding_layers = bool(lc.llama_model_n_swa(engine.model))
         self.checkpoints: list[Checkpoint] = []
 
     def extend(self, token_ids: Sequence[int], start: int) -> None:
@@ -135,9 +136,19 @@ class LlamaCppPrefixCache(CacheSequence):
         self.checkpoints = [c for c in self.checkpoints if c.n_tokens <= keep]
         return keep, restored
 
-    def save(self) -> tuple[bytes, list[Checkpoint]]:
+    def save(self) -> tuple[bytes, list[Checkpoint]] | None:
         """The whole context's state (llama_state_get_data: every cell of every layer, the
-        sliding layers' out-of-window cells included) and the checkpoints taken so far."""
+        sliding layers' out-of-window cells included) and the checkpoints taken so far; None
+        for a model with sliding layers, whose first prompt each check prefills itself.
+
+        A restored iSWA state is not prediction-neutral (llama.cpp#18552; llama.cpp#25297,
+        open, places the sliding cells differently on load): on Gemma 3 270M the forced reply
+        after llama_state_set_data scores 0.069 nats (760-token chat) to 0.086 (4,153) from
+        the context the state was saved from, although saving again gives the same bytes.
+        SmolLM2 (no sliding layers): 0 exactly. Shared, the restore would be the reuse gap.
+        """
+        if self.has_sliding_layers:
+            return None
         size = lc.llama_state_get_size(self.ctx)
         buffer = (ctypes.c_uint8 * size)()
         written = lc.llama_state_get_data(self.ctx, buffer, size)
