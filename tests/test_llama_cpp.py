@@ -189,6 +189,6 @@ def test_state_bytes_match_the_capacity_prediction(
 def test_window_missing_counts_the_positions_the_first_new_token_cannot_see(
     kept: int, oldest_held: int, n_swa: int, missing: int
 ) -> None:
-    from pytest_kvguard.engines.llama_cpp.api_cache import window_missing
+    from pytest_kvguard.engines.llama_cpp.prefix_cache import window_missing
 
     assert window_missing(kept, oldest_held, n_swa) == missing

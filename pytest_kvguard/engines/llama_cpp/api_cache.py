@@ -12,6 +12,7 @@ import llama_cpp as lc
 import numpy as np
 
 from pytest_kvguard.engines.llama_cpp.context import UBATCH
+from pytest_kvguard.engines.llama_cpp.prefix_cache import window_missing
 from pytest_kvguard.engines.protocols import Reuse
 from pytest_kvguard.errors import EngineError
 from pytest_kvguard.gate.policies import Policy
@@ -44,16 +45,6 @@ def forcing_processor(reply: Sequence[int], nll: list[float]) -> Callable[[Any, 
         return forced
 
     return force
-
-
-def window_missing(kept: int, oldest_held: int, n_swa: int) -> int:
-    """Positions the token at ``kept`` attends to in the sliding layers (the ``n_swa - 1``
-    before it) that a cache whose oldest position is ``oldest_held`` (-1: none, as when
-    ``Llama.generate``'s seq_rm emptied the sliding cells) no longer has."""
-    if not kept or not n_swa:  # nothing kept, or no sliding window
-        return 0
-    oldest = kept if oldest_held < 0 else min(oldest_held, kept)
-    return max(0, oldest - max(0, kept - n_swa + 1))
 
 
 class LlamaApiCache:
@@ -89,17 +80,18 @@ class LlamaApiCache:
             self.llm.set_cache(LlamaRAMCache())
         self.evaluations: list[tuple[int, int]] = []
         """(n_tokens before, tokens evaluated) of each ``Llama.eval`` call of a request."""
-        self.oldest_held: list[int] = []
-        """The oldest position the cache held at each ``Llama.eval`` call of a request."""
+        self.oldest_held = -1
+        """The oldest position the cache held when a request's first ``Llama.eval`` began."""
         # With swa_full the sliding layers keep every position: no window can go missing.
-        self.n_swa = 0 if swa_full is not False else int(lc.llama_model_n_swa(engine.model))
+        self.n_swa = 0 if swa_full is not False else engine.n_swa
         real_eval = self.llm.eval
 
         def counted_eval(tokens: Sequence[int]) -> None:
-            # Read after Llama.generate's own seq_rm of what it does not keep, before the decode.
+            if not self.evaluations:
+                # After Llama.generate's own seq_rm of what it does not keep, before the decode.
+                memory = lc.llama_get_memory(self.llm.ctx)
+                self.oldest_held = int(lc.llama_memory_seq_pos_min(memory, 0))
             self.evaluations.append((int(self.llm.n_tokens), len(tokens)))
-            memory = lc.llama_get_memory(self.llm.ctx)
-            self.oldest_held.append(int(lc.llama_memory_seq_pos_min(memory, 0)))
             real_eval(tokens)
 
         self.llm.eval = counted_eval  # type: ignore[method-assign]
@@ -111,7 +103,6 @@ class LlamaApiCache:
 
         nll: list[float] = []
         self.evaluations.clear()
-        self.oldest_held.clear()
         answer = self.llm.create_completion(
             prompt=list(token_ids), max_tokens=max(len(reply), 1), temperature=0.0,
             logits_processor=LogitsProcessorList([forcing_processor(reply, nll)]) if reply
@@ -151,7 +142,7 @@ class LlamaApiCache:
             )
         return Reuse(
             kept, evaluated, None, np.array(nll) if reply else None,
-            window_missing(kept, self.oldest_held[0], self.n_swa),
+            window_missing(kept, self.oldest_held, self.n_swa),
         )  # fmt: skip
 
     def score_fresh(self, token_ids: Sequence[int], reply: Sequence[int]) -> np.ndarray:

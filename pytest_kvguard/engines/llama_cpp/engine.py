@@ -56,6 +56,8 @@ class LlamaCppEngine:
         self.options = options
         self.vocab = lc.llama_model_get_vocab(model)
         self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
+        self.n_swa = int(lc.llama_model_n_swa(model))
+        """The sliding window of the model's sliding layers; 0 for a model without them."""
         self.probes: dict[tuple[Any, ...], Any] = {}
         """What contexts made to be measured showed, by what was measured (``group``)."""
 
@@ -111,7 +113,7 @@ class LlamaCppEngine:
         count), nor re-indexed on a cache that cannot shift."""
         if policy.kind not in ("sink", "window") or policy.cap is None:
             return None
-        if policy.chunk != 1 or policy.evict_step != 1 or lc.llama_model_n_swa(self.model) > 0:
+        if policy.chunk != 1 or policy.evict_step != 1 or self.n_swa > 0:
             return None
         if policy.positions == "reindexed" and not solo_facts(self, policy.cap).can_shift:
             return None

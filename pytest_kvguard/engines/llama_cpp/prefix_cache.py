@@ -27,6 +27,16 @@ class Checkpoint:
     data: bytes
 
 
+def window_missing(kept: int, oldest_held: int, n_swa: int) -> int:
+    """Positions the token at ``kept`` attends to in the sliding layers (the ``n_swa - 1``
+    before it) that a cache whose oldest position is ``oldest_held`` (-1: none, as when a
+    seq_rm emptied the sliding cells) no longer has. The one window rule of both paths."""
+    if not kept or not n_swa:  # nothing kept, or no sliding window
+        return 0
+    oldest = kept if oldest_held < 0 else min(oldest_held, kept)
+    return max(0, oldest - max(0, kept - n_swa + 1))
+
+
 class LlamaCppPrefixCache(CacheSequence):
     """A prompt held in sequence 0; an edited prompt reuses what llama.cpp's memory still holds.
 
@@ -52,8 +62,7 @@ class LlamaCppPrefixCache(CacheSequence):
         super().__init__(engine, max_tokens + 1, swa_full=swa_full, flash_attn=False)
         self.policy = policy
         # With swa_full the sliding layers keep everything: for reuse they behave as full ones.
-        self.n_swa = 0 if swa_full else int(lc.llama_model_n_swa(engine.model))
-        self.has_sliding_layers = bool(lc.llama_model_n_swa(engine.model))
+        self.n_swa = 0 if swa_full else engine.n_swa
         self.checkpoints: list[Checkpoint] = []
 
     def extend(self, token_ids: Sequence[int], start: int) -> None:
@@ -91,10 +100,8 @@ class LlamaCppPrefixCache(CacheSequence):
 
     def _window_held(self, keep: int) -> bool:
         """Do the sliding layers still hold every position the token at `keep` attends to?"""
-        if not self.n_swa:
-            return True
-        oldest = lc.llama_memory_seq_pos_min(self.memory, SEQ)
-        return bool(oldest <= max(0, keep - self.n_swa + 1))
+        oldest = int(lc.llama_memory_seq_pos_min(self.memory, SEQ))
+        return window_missing(keep, oldest, self.n_swa) == 0
 
     def keep_prefix(self, keep: int) -> tuple[int, int | None]:
         """Trim the cache to the longest usable prefix of `keep` tokens: (kept, checkpoint used)."""
@@ -147,7 +154,7 @@ class LlamaCppPrefixCache(CacheSequence):
         the context the state was saved from, although saving again gives the same bytes.
         SmolLM2 (no sliding layers): 0 exactly. Shared, the restore would be the reuse gap.
         """
-        if self.has_sliding_layers:
+        if self.engine.n_swa:
             return None
         size = lc.llama_state_get_size(self.ctx)
         buffer = (ctypes.c_uint8 * size)()
