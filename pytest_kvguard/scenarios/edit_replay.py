@@ -88,7 +88,10 @@ def default_via(engine: str) -> str:
 
 class EditReplayScenario(Scenario[ReplaySpec]):
     name = "edit_replay"
-    summary = "a cached chat gets a follow-up: count reused and re-prefilled prompt tokens"
+    summary = (
+        "a cached chat gets a follow-up: count reused and re-prefilled prompt tokens, "
+        "and score a forced reply against a fresh prefill"
+    )
     params = (
         Param("chat", "str", DEFAULT_CHAT,
               f"'{DEFAULT_CHAT}' (the bundled 4k-token chat) or a JSON chat file"),
