@@ -236,17 +236,30 @@ class EditReplayScenario(Scenario[ReplaySpec]):
             ctx.say(f"{label}: prefilling {len(first_ids)} tokens, then the follow-up")
         else:
             ctx.say(f"{label}: restoring the saved {len(first_ids)}-token prefill")
+        # The fresh reference depends on the engine, model, path, cache settings and tokens,
+        # not on checkpoints (copies taken between the same batches) nor on how an app keeps
+        # states (the reference request starts from an empty cache): checks that differ only
+        # there score against one reference, computed once per session.
+        reference_key = (
+            "fresh_reference", check.engine, check.model.resolve(), spec.via,
+            replace(spec.policy, checkpoints=0, checkpoint_step=DEFAULT_CHECKPOINT_STEP),
+            len(first_ids), tuple(second_ids), tuple(reply),
+        )  # fmt: skip
+        reference = ctx.saved(reference_key) if reply else None
         run, saved = run_edit_replay(
             loaded, spec.policy, first_ids, second_ids, prefilled, reply, spec.via,
-            spec.api_state,
+            spec.api_state, reference,
         )  # fmt: skip
         if prefilled is None and saved is not None:
             ctx.save(key, saved)
+        if reference is None and run.replay.fresh_nll is not None:
+            ctx.save(reference_key, run.replay.fresh_nll)
         replay = run.replay
         gap = run.metrics["mean_abs_nll_diff"]
+        shared = " (the same reference as an earlier check)" if reference is not None else ""
         ctx.say(f"{label}: reused {replay.reused}, re-prefilled {replay.reprefilled} "
                 f"in {replay.seconds:.1f} s; reply vs a fresh prefill: mean |dNLL| {gap:.2e} "
-                f"over {len(reply)} tokens")  # fmt: skip
+                f"over {len(reply)} tokens{shared}")  # fmt: skip
         path = spec.via
         if spec.via == "api" and isinstance(loaded, ReusesThroughApi):
             path = loaded.api_calls(spec.api_state)

@@ -111,13 +111,15 @@ def run_edit_replay(
     reply_ids: Sequence[int] = (),
     via: str = "memory",
     api_state: str = "none",
+    fresh_nll: np.ndarray | None = None,
 ) -> tuple[ReplayRun, object | None]:
     """Prefill the first prompt into a fresh cache (or restore ``prefilled``, what the engine's
     prefix cache ``save`` returned after that prefill), then replay the follow-up against it:
     through the cache's ``replay`` where it has one (a server, or the API apps call, counting
     its own reuse), else by keeping the longest prefix the engine can use and prefilling the
     rest. With ``reply_ids``, the reply is then forced token by token and scored, and scored
-    again after a fresh prefill of the follow-up on the same engine and settings.
+    again after a fresh prefill of the follow-up on the same engine and settings, unless
+    ``fresh_nll`` already holds that reference (an earlier check computed the very same one).
     Also returns the saved prefill for the next follow-up, where the engine can save one."""
     longest = max(len(first_ids), len(followup_ids)) + len(reply_ids)
     cache = open_replay_cache(engine, policy, longest, via, api_state)
@@ -159,8 +161,7 @@ def run_edit_replay(
                 cache.extend(followup_ids[-1:], len(followup_ids) - 1)
         replay_seconds = time.perf_counter() - started
         started = time.perf_counter()
-        fresh_nll = None
-        if reply_ids and isinstance(cache, ReplaysPrefix):
+        if reply_ids and fresh_nll is None and isinstance(cache, ReplaysPrefix):
             # The engine's own request with nothing reused, on the same server or API object.
             fresh_nll = cache.score_fresh(followup_ids, reply_ids)
     finally:
