@@ -67,3 +67,8 @@ def _restore(
 
 class EngineError(KvguardError):
     """The engine refused an operation or behaved against its own contract."""
+
+
+class EngineRefusal(EngineError):
+    """The engine refused a combination of settings it does not implement (mlx-lm quantizing a
+    ``RotatingKVCache``): a fact about the engine to report as one line, not a fault."""

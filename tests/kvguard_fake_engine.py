@@ -168,6 +168,9 @@ class FakeStream:
     def figures(self) -> dict[str, float]:
         return {"kv_bytes": float(self.held * 64), "peak_memory_bytes": float(self.fed * 64)}
 
+    quantized_from = None
+    """The fake engine has no quantized caches."""
+
     def layer_sizes(self) -> list[tuple[int, int]]:
         return [(self.fed, self.held)]
 

@@ -275,6 +275,22 @@ CASES = {
         "    budgets: {min_reused_tokens: 10}\n",
         "budgets.yaml:7: edit needs a message index within the chat's 11 messages*",
     ),
+    "kv_bits_on_an_engine_without_them": (
+        "    policy: full\n    params: {tokens: 400, kv_bits: 8}\n"
+        "    budgets: {max_ppl_increase_pct: 5}\n",
+        "budgets.yaml:6: engine 'fake' takes no KV precision settings*",
+    ),
+    "cache_type_unknown": (
+        "    policy: sink\n    params: {cap: 64, tokens: 400, cache_type_k: q3}\n"
+        "    budgets: {max_kv_entries: 64}\n",
+        "budgets.yaml:6: cache_type_k 'q3' is not a cache type llama.cpp takes (fix: use "
+        "cache_type_k: f32, f16, bf16, q8_0*",
+    ),
+    "unquantized_baseline_of_an_unquantized_policy": (
+        "    policy: sink\n    baseline: unquantized\n    params: {cap: 64, tokens: 400}\n"
+        "    budgets: {max_kv_entries: 64}\n",
+        "budgets.yaml:6: baseline 'unquantized' is the candidate's policy at full precision*",
+    ),
     "server_stream": (
         "    engine: llama_server\n    policy: sink\n    params: {cap: 255, tokens: 1500}\n"
         "    budgets: {max_ppl_increase_pct: 25}\n",

@@ -59,3 +59,35 @@ def test_command_line_bad_file(tmp_path: Path, capsys: pytest.CaptureFixture[str
     bad.write_text("{}")
     assert main([str(bad)]) == 2
     assert "lacks 'num_hidden_layers'" in capsys.readouterr().err
+
+
+def test_quantized_caches_against_hand_arithmetic() -> None:
+    """Quantized predictions from the formats' own layouts (no engine)."""
+    from pytest_kvguard.engines.llama_cpp.kv_size import predict_stream_kv_bytes as llama_bytes
+    from pytest_kvguard.engines.mlx.kv_size import predict_stream_kv_bytes as mlx_bytes
+    from pytest_kvguard.gate.policies import make_policy
+    from pytest_kvguard.inputs.models import ModelArch
+
+    # One layer, 3 KV heads of 64: mlx-lm 0.28 to 0.32 measured 221,184 bytes for 300 tokens
+    # of a float32 KVCache quantized to 8 bits (4 bits: 122,880): 512 allocated rows (steps of
+    # 256) x 3 heads x K,V x (64 x bits/8 + 2 x 64/64 x 4 bytes of scale and bias).
+    arch = ModelArch("llama", 1, 3, 64, 64, 0, None, (False,))
+    q8, q4 = make_policy("full", kv_bits=8), make_policy("full", kv_bits=4)
+    assert mlx_bytes(arch, 300, q8, element_bytes=4.0) == 221_184
+    assert mlx_bytes(arch, 300, q4, element_bytes=4.0) == 122_880
+    # Not yet at quantized_kv_start: the float32 buffer (786,432 bytes measured).
+    later = make_policy("full", kv_bits=8, quantized_kv_start=1024)
+    assert mlx_bytes(arch, 300, later, element_bytes=4.0) == 786_432
+    # llama.cpp: q8_0 is 34 bytes per 32 elements, q4_0 18; 100 tokens of a 256-cap sink.
+    sink = make_policy("sink", cap=256, cache_type_k="q8_0", cache_type_v="q4_0")
+    assert llama_bytes(arch, 100, sink, element_bytes=2.0) == 100 * 3 * 64 * (34 + 18) / 32
+
+
+def test_the_calculator_takes_llama_cpps_cache_types(capsys: pytest.CaptureFixture[str]) -> None:
+    # q8_0 on K and V: 18 layers x 1 KV head x (256 + 256) x 34/32 bytes = 9,792 B per token;
+    # 4,096 tokens full: 38.25 MiB (f16: 72.00).
+    assert main([str(CONFIG), "--contexts", "4096", "--cache-type-k", "q8_0",
+                 "--cache-type-v", "q8_0"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "K q8_0, V q8_0: 9,792 B/token" in out
+    assert "4096       38.25 MiB" in out

@@ -192,3 +192,25 @@ def test_window_missing_counts_the_positions_the_first_new_token_cannot_see(
     from pytest_kvguard.engines.llama_cpp.prefix_cache import window_missing
 
     assert window_missing(kept, oldest_held, n_swa) == missing
+
+
+@pytest.mark.parametrize(("type_k", "type_v"), [("q8_0", "q8_0"), ("f16", "q4_0")])
+def test_quantized_cache_types_hold_the_predicted_bytes(
+    runner: Runner, short_ids: list[int], type_k: str, type_v: str
+) -> None:
+    """llama.cpp's context in the asked cache types (a quantized V runs under flash attention,
+    which kvguard turns on): the state within 0.5% of the prediction, the scores close to f16."""
+    from pytest_kvguard.cli.capacity import predict_engine_kv_bytes
+    from pytest_kvguard.scoring import perplexity
+
+    engine = runner.engine("llama_cpp", SMOLLM2)
+    f16 = run_stream(engine, make_policy("full"), short_ids)
+    policy = make_policy("full", cache_type_k=type_k, cache_type_v=type_v)
+    run = run_stream(engine, policy, short_ids)
+    predicted = predict_engine_kv_bytes(
+        "llama_cpp", read_arch(SMOLLM2.resolve()), 200, policy, element_bytes=2.0
+    )
+    assert run.engine_figures["kv_bytes"] == pytest.approx(predicted, rel=5e-3)
+    assert run.engine_figures["kv_bytes"] < f16.engine_figures["kv_bytes"] * 0.8
+    assert run.quantized_from == 0
+    assert perplexity(run.nll) == pytest.approx(perplexity(f16.nll), rel=0.05)

@@ -67,3 +67,46 @@ def test_parity_marker(kvguard, kvguard_runner: Runner) -> None:  # type: ignore
     ids = kvguard_runner.token_ids("llama_cpp", SMOLLM2, pydoc_topics(), 256)
     direct = run_stream(kvguard_runner.engine("llama_cpp", SMOLLM2), make_policy("full"), ids)
     assert outcome.metrics["reference_ppl"] == perplexity(direct.nll)
+
+
+def test_a_quantized_cache_is_mlx_lms_own_and_holds_the_predicted_bytes(
+    kvguard_runner: Runner, short_ids: list[int]
+) -> None:
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    from pytest_kvguard.cli.capacity import predict_engine_kv_bytes, read_arch
+
+    engine = kvguard_runner.engine("mlx", SMOLLM2)
+    full = run_stream(engine, make_policy("full"), short_ids)
+    policy = make_policy("full", kv_bits=8)
+    stream = engine.open_stream(policy, len(short_ids))
+    try:
+        stream.feed(short_ids[:60])
+        assert all(type(c) is QuantizedKVCache and c.bits == 8 for c in stream.cache)  # type: ignore[attr-defined]
+        assert stream.quantized_from == 60 and stream.held == 60
+    finally:
+        stream.close()
+    q8 = run_stream(engine, policy, short_ids)
+    predicted = predict_engine_kv_bytes(
+        "mlx", read_arch(SMOLLM2.resolve()), 100, policy, element_bytes=engine.kv_element_bytes
+    )
+    assert q8.engine_figures["kv_bytes"] == predicted  # 256 rows x 30 layers x (64 + 8) x 3 x 2
+    assert q8.engine_figures["kv_layers_unquantized"] == 0
+    # The first call (100 tokens, one prefill chunk) ran before quantization; the scores match.
+    assert q8.quantized_from == 100
+    assert perplexity(q8.nll) == pytest.approx(perplexity(full.nll), rel=1e-4)
+
+
+def test_mlx_lm_refuses_to_quantize_a_rotating_cache_in_one_line(
+    kvguard_runner: Runner, short_ids: list[int]
+) -> None:
+    from pytest_kvguard.errors import EngineRefusal
+
+    engine = kvguard_runner.engine("mlx", SMOLLM2)
+    policy = make_policy("sink", cap=64, sinks=4, positions="absolute", kv_bits=4)
+    with pytest.raises(EngineRefusal) as refused:
+        run_stream(engine, policy, short_ids)
+    assert refused.value.message.startswith("mlx-lm ")
+    assert "refuses to quantize RotatingKVCache to 4 bits (sink4/64 abs step1 q4)" in str(
+        refused.value
+    )

@@ -21,10 +21,10 @@ from tabulate import tabulate
 
 from pytest_kvguard.engines.kv_size import layer_bytes
 from pytest_kvguard.engines.llama_cpp import kv_size as llama_cpp_kv_size
-from pytest_kvguard.engines.llama_cpp.kv_size import predict_kv_bytes
+from pytest_kvguard.engines.llama_cpp.kv_size import cache_type_bytes, predict_kv_bytes
 from pytest_kvguard.engines.mlx import kv_size as mlx_kv_size
 from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.gate.policies import Policy
+from pytest_kvguard.gate.policies import LLAMA_CACHE_TYPES, Policy
 from pytest_kvguard.inputs.models import ModelArch, read_arch
 from pytest_kvguard.units import mib
 
@@ -123,16 +123,21 @@ def capacity_table(
     bytes_per_element: float = 2.0,
     n_ubatch: int = 512,
     n_seq: int = 1,
+    v_bytes_per_element: float | None = None,
 ) -> tuple[list[str], list[list[str]]]:
     """Headers and rows: context -> full, window/sink (cap), swa, swa_full, full/swa saving."""
     headers = ["context", "full", f"window/sink {cap}", "swa", "swa_full", "full / swa"]
     rows = []
+    k, v = bytes_per_element, v_bytes_per_element
     for n in contexts:
-        full = predict_kv_bytes(arch, n, "full", bytes_per_element=bytes_per_element)
-        capped = predict_kv_bytes(arch, n, "sink", cap=cap, bytes_per_element=bytes_per_element)
-        swa = predict_kv_bytes(
-            arch, n, "swa", bytes_per_element=bytes_per_element, n_ubatch=n_ubatch, n_seq=n_seq
+        full = predict_kv_bytes(arch, n, "full", bytes_per_element=k, v_bytes_per_element=v)
+        capped = predict_kv_bytes(
+            arch, n, "sink", cap=cap, bytes_per_element=k, v_bytes_per_element=v
         )
+        swa = predict_kv_bytes(
+            arch, n, "swa", bytes_per_element=k, v_bytes_per_element=v, n_ubatch=n_ubatch,
+            n_seq=n_seq,
+        )  # fmt: skip
         rows.append(
             [str(n), mib(full, 2), mib(capped, 2), mib(swa, 2), mib(full, 2), f"{full / swa:.2f}x"]
         )
@@ -153,6 +158,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--cap", type=int, default=256, help="window/sink cap (default: 256)")
     parser.add_argument(
         "--bytes", type=float, default=2.0, help="bytes per cache element (default: 2, f16)"
+    )
+    parser.add_argument(
+        "--cache-type-k",
+        choices=list(LLAMA_CACHE_TYPES),
+        help="llama.cpp's K cache type (q8_0: 34 bytes per 32 elements, ...); overrides --bytes",
+    )
+    parser.add_argument(
+        "--cache-type-v", choices=list(LLAMA_CACHE_TYPES), help="llama.cpp's V cache type"
     )
     parser.add_argument("--ubatch", type=int, default=512, help="llama.cpp n_ubatch (default: 512)")
     parser.add_argument("--slots", type=int, default=1, help="llama.cpp n_seq / slots (default: 1)")
@@ -176,9 +189,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{arch.n_kv_heads} KV heads, head dim {arch.head_dim_k}, "
         f"{arch.kv_bytes_per_token(args.bytes):,.0f} B/token"
     )
+    k_bytes = cache_type_bytes(args.cache_type_k) if args.cache_type_k else args.bytes
+    v_bytes = cache_type_bytes(args.cache_type_v) if args.cache_type_v else args.bytes
+    if args.cache_type_k or args.cache_type_v:
+        print(f"K {args.cache_type_k or args.bytes}, V {args.cache_type_v or args.bytes}: "
+              f"{arch.n_layers * layer_bytes(arch, k_bytes, v_bytes):,.0f} B/token")  # fmt: skip
     headers, rows = capacity_table(
-        arch, contexts, cap=args.cap, bytes_per_element=args.bytes, n_ubatch=args.ubatch,
-        n_seq=args.slots,
+        arch, contexts, cap=args.cap, bytes_per_element=k_bytes, n_ubatch=args.ubatch,
+        n_seq=args.slots, v_bytes_per_element=v_bytes,
     )  # fmt: skip
     print(tabulate(rows, headers=headers, disable_numparse=True))
     return 0

@@ -6,6 +6,9 @@ from __future__ import annotations
 from pytest_kvguard.inputs.models import ModelArch
 
 
-def layer_bytes(arch: ModelArch, bytes_per_element: float) -> float:
-    """K and V of one token in one layer."""
-    return arch.n_kv_heads * (arch.head_dim_k + arch.head_dim_v) * bytes_per_element
+def layer_bytes(
+    arch: ModelArch, bytes_per_element: float, v_bytes_per_element: float | None = None
+) -> float:
+    """K and V of one token in one layer; V at ``v_bytes_per_element`` where it differs."""
+    v_bytes = bytes_per_element if v_bytes_per_element is None else v_bytes_per_element
+    return arch.n_kv_heads * (arch.head_dim_k * bytes_per_element + arch.head_dim_v * v_bytes)

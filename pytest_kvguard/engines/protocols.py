@@ -52,6 +52,12 @@ class Stream(Protocol):
         """(tokens seen, KV entries held) per layer, where the engine exposes it; else []."""
         ...
 
+    @property
+    def quantized_from(self) -> int | None:
+        """Tokens fed when the cache first held quantized keys and values (0: from the
+        start); None while it holds none."""
+        ...
+
     def close(self) -> None: ...
 
 

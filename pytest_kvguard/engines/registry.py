@@ -90,6 +90,12 @@ class EngineInfo:
     capabilities: frozenset[str] = frozenset()
     """Optional capabilities the adapter has (``protocols.CAPABILITIES``: the engine's;
     ``protocols.PREFIX_CACHE_CAPABILITIES``: its prefix cache's)."""
+    kv_precision: str | None = None
+    """How the engine is asked to quantize its KV cache: ``kv_bits`` (mlx-lm's kv_bits,
+    kv_group_size, quantized_kv_start) or ``cache_types`` (llama.cpp's cache_type_k and
+    cache_type_v); None: it is not."""
+    kv_precision_paths: tuple[str, ...] = ()
+    """The engine paths on which the adapter applies those settings."""
 
 
 ENGINES: dict[str, EngineInfo] = {
@@ -112,6 +118,8 @@ ENGINES: dict[str, EngineInfo] = {
             max_chunk=512,
             self_evicting=("swa",),
             capabilities=frozenset({"reads_attention", "groups", "snapshot", "api_reuse"}),
+            kv_precision="cache_types",
+            kv_precision_paths=("feed", "feed_unscored"),
         ),
         EngineInfo(
             "mlx",
@@ -130,6 +138,8 @@ ENGINES: dict[str, EngineInfo] = {
             fixed_evict_step=1,
             model_forms=("gguf", "folder", "hub"),
             capabilities=frozenset({"reads_attention", "groups", "api_reuse"}),
+            kv_precision="kv_bits",
+            kv_precision_paths=("feed", "feed_unscored"),
         ),
         EngineInfo(
             "llama_server",
@@ -146,6 +156,8 @@ ENGINES: dict[str, EngineInfo] = {
             context_step=256,
             binary=True,
             capabilities=frozenset({"shifts", "replay"}),
+            kv_precision="cache_types",
+            kv_precision_paths=("prefix_cache", "generation"),
         ),
         EngineInfo(
             "openai",

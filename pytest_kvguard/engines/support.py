@@ -47,6 +47,7 @@ def check_policy(name: str, policy: Policy, path: str = "feed", scenario: str = 
     info = engine_info(name)
     check_policy_kind(name, policy.kind, path, scenario)
     check_chunk(policy.chunk, policy, name)
+    check_kv_precision(name, policy, path, scenario)
     if policy.bounded and policy.positions not in info.position_modes:
         raise KvguardError(
             f"engine '{name}' cannot run positions '{policy.positions}'",
@@ -68,6 +69,66 @@ def check_policy(name: str, policy: Policy, path: str = "feed", scenario: str = 
             f"engine '{name}' evicts {step} token(s) per step, not {policy.evict_step}",
             fix=f"use evict_step: {step}",
         )
+
+
+PRECISION_PARAMS = {
+    "kv_bits": ("kv_bits", "kv_group_size", "quantized_kv_start"),
+    "cache_types": ("cache_type_k", "cache_type_v"),
+}
+"""The parameters of each way an engine is asked to quantize its KV cache."""
+
+
+def check_kv_precision(name: str, policy: Policy, path: str = "feed", scenario: str = "") -> None:
+    """Refuse KV precision settings the engine does not take, or not on this engine path."""
+    if not policy.precision_set:
+        return
+    info = engine_info(name)
+    given = "kv_bits" if policy.kv_bits is not None else "cache_types"
+    if policy.kv_bits is not None and (policy.cache_type_k, policy.cache_type_v) != ("f16", "f16"):
+        raise KvguardError(
+            "kv_bits (mlx-lm) and cache_type_k / cache_type_v (llama.cpp) are set together",
+            fix="set the one the check's engine takes",
+            key="params.kv_bits",
+        )
+    key = f"params.{PRECISION_PARAMS[given][0] if given == 'kv_bits' else _type_key(policy)}"
+    if info.kv_precision is None:
+        raise KvguardError(
+            f"engine '{name}' takes no KV precision settings",
+            fix="remove " + " / ".join(PRECISION_PARAMS[given]) + ", or use engine llama_cpp "
+            "(cache_type_k, cache_type_v) or mlx (kv_bits)",
+            key=key,
+        )
+    if info.kv_precision != given:
+        wanted = PRECISION_PARAMS[info.kv_precision]
+        example = "kv_bits: 8" if info.kv_precision == "kv_bits" else "cache_type_k: q8_0"
+        raise KvguardError(
+            f"engine '{name}' quantizes its KV cache with {' / '.join(wanted)}, not "
+            f"{' / '.join(PRECISION_PARAMS[given])}",
+            fix=f"write the same precision in its terms (e.g. {example})",
+            key=key,
+        )
+    if path not in info.kv_precision_paths:
+        what = f"{scenario} checks" if scenario else PATH_SCENARIOS.get(path, f"the {path} path")
+        raise KvguardError(
+            f"engine '{name}' applies KV precision settings to "
+            + ", ".join(PATH_SCENARIOS.get(p, p) for p in info.kv_precision_paths)
+            + f" only, not to {what}",
+            fix="remove " + " / ".join(PRECISION_PARAMS[given]) + " from this check",
+            key=key,
+        )
+
+
+PATH_SCENARIOS = {
+    "feed": "stream checks",
+    "feed_unscored": "memory checks",
+    "prefix_cache": "edit_replay checks",
+    "generation": "generate checks",
+}
+"""Which checks an engine path's KV precision settings reach, for messages."""
+
+
+def _type_key(policy: Policy) -> str:
+    return "cache_type_k" if policy.cache_type_k != "f16" else "cache_type_v"
 
 
 def check_chunk(

@@ -111,7 +111,8 @@ class Budgets:
         "%",
         "kv dev",
         "largest deviation of measured from predicted KV bytes",
-        "memory: the largest |measured / predicted - 1| over the lengths, in percent.",
+        "memory: the largest |measured / predicted - 1| over the lengths, in percent; stream "
+        "(a quantized candidate): the same at the end of the run.",
     )
 
     min_sink_gain_pct: float | None = _limit(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pytest_kvguard.errors import KvguardError
 
@@ -23,6 +23,28 @@ POSITION_MODES = {
 }
 
 DEFAULT_SINKS = 4
+
+MLX_KV_BITS = (2, 3, 4, 5, 6, 8)
+"""Bits mlx's ``mx.quantize`` packs (what mlx-lm's ``kv_bits`` takes)."""
+MLX_KV_GROUP_SIZES = (32, 64, 128)
+"""Group sizes mlx's ``mx.quantize`` takes; mlx-lm's default is 64."""
+DEFAULT_KV_GROUP_SIZE = 64
+
+LLAMA_CACHE_TYPES = {
+    # name: (bytes per block, elements per block), ggml's block layouts.
+    "f32": (4, 1),
+    "f16": (2, 1),
+    "bf16": (2, 1),
+    "q8_0": (34, 32),
+    "q4_0": (18, 32),
+    "q4_1": (20, 32),
+    "iq4_nl": (18, 32),
+    "q5_0": (22, 32),
+    "q5_1": (24, 32),
+}
+"""The cache types llama.cpp takes for K and V (``-ctk`` / ``-ctv``, ``type_k`` / ``type_v``)."""
+UNQUANTIZED_CACHE_TYPES = ("f32", "f16", "bf16")
+DEFAULT_CACHE_TYPE = "f16"
 
 
 @dataclass(frozen=True)
@@ -46,6 +68,47 @@ class Policy:
     chunk: int = 1
     """Tokens fed per engine call once the cache is full: 1 is the decode path, more the
     engine's batched (prefill) path, which evicts for the whole chunk at once."""
+    kv_bits: int | None = None
+    """mlx-lm: quantize the cache to this many bits (``kv_bits``); None keeps it unquantized."""
+    kv_group_size: int = DEFAULT_KV_GROUP_SIZE
+    """mlx-lm: elements sharing one scale and bias (``kv_group_size``)."""
+    quantized_kv_start: int = 0
+    """mlx-lm: quantize once the cache holds this many tokens (``quantized_kv_start``)."""
+    cache_type_k: str = DEFAULT_CACHE_TYPE
+    """llama.cpp: the K cache's type (``type_k``, ``-ctk``)."""
+    cache_type_v: str = DEFAULT_CACHE_TYPE
+    """llama.cpp: the V cache's type (``type_v``, ``-ctv``)."""
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the KV cache is asked to be quantized (on either engine's terms)."""
+        return self.kv_bits is not None or any(
+            t not in UNQUANTIZED_CACHE_TYPES for t in (self.cache_type_k, self.cache_type_v)
+        )
+
+    @property
+    def precision_set(self) -> bool:
+        """Whether any KV precision setting differs from the engines' defaults."""
+        return self != self.unquantized()
+
+    def unquantized(self) -> Policy:
+        """The same policy with the engines' default KV precision."""
+        return replace(
+            self, kv_bits=None, kv_group_size=DEFAULT_KV_GROUP_SIZE, quantized_kv_start=0,
+            cache_type_k=DEFAULT_CACHE_TYPE, cache_type_v=DEFAULT_CACHE_TYPE,
+        )  # fmt: skip
+
+    def precision(self) -> str:
+        """The KV precision part of the label: ``q8``, ``q4 g32 from1024`` (mlx-lm),
+        ``q8_0`` or ``k q8_0 v f16`` (llama.cpp); empty for the defaults."""
+        if self.kv_bits is not None:
+            group = f" g{self.kv_group_size}" if self.kv_group_size != DEFAULT_KV_GROUP_SIZE else ""
+            start = f" from{self.quantized_kv_start}" if self.quantized_kv_start else ""
+            return f"q{self.kv_bits}{group}{start}"
+        k, v = self.cache_type_k, self.cache_type_v
+        if (k, v) == (DEFAULT_CACHE_TYPE, DEFAULT_CACHE_TYPE):
+            return ""
+        return k if k == v else f"k {k} v {v}"
 
     @property
     def max_chunk(self) -> int | None:
@@ -61,7 +124,11 @@ class Policy:
         return self.kind not in ("full", "swa_full")
 
     def describe(self) -> str:
-        """Short label for tables: ``sink4/256 reidx step1``."""
+        """Short label for tables: ``sink4/256 reidx step1``, ``full q8``."""
+        precision = self.precision()
+        return self._describe_eviction() + (f" {precision}" if precision else "")
+
+    def _describe_eviction(self) -> str:
         if self.kind in ("full", "swa_full"):
             return self.kind
         if self.kind == "swa":
@@ -85,14 +152,78 @@ def make_policy(
     checkpoints: int = 0,
     checkpoint_step: int = DEFAULT_CHECKPOINT_STEP,
     chunk: int = 1,
+    kv_bits: int | None = None,
+    kv_group_size: int = DEFAULT_KV_GROUP_SIZE,
+    quantized_kv_start: int = 0,
+    cache_type_k: str = DEFAULT_CACHE_TYPE,
+    cache_type_v: str = DEFAULT_CACHE_TYPE,
 ) -> Policy:
     """Build a policy, refusing combinations that would not mean what they say.
 
     ``full``, ``swa`` and ``swa_full`` take no cap (the model decides what each layer keeps).
     ``chunk`` does not apply to ``full`` and ``swa_full``: they never evict, so their runs are
     fed in prefill-sized chunks whatever it says. Whether a chunk fits is for
-    ``engines.support.check_chunk``, the one place that refuses a chunk.
+    ``engines.support.check_chunk``, the one place that refuses a chunk. The KV precision
+    settings are checked here for values no engine knows; which engine takes which is for
+    ``engines.support.check_policy``.
     """
+    check_precision(kv_bits, kv_group_size, quantized_kv_start, cache_type_k, cache_type_v)
+    return replace(
+        _eviction_policy(
+            kind, cap=cap, sinks=sinks, positions=positions, evict_step=evict_step,
+            checkpoints=checkpoints, checkpoint_step=checkpoint_step, chunk=chunk,
+        ),
+        kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start,
+        cache_type_k=cache_type_k, cache_type_v=cache_type_v,
+    )  # fmt: skip
+
+
+def check_precision(
+    kv_bits: int | None, kv_group_size: int, quantized_kv_start: int, cache_type_k: str,
+    cache_type_v: str,
+) -> None:  # fmt: skip
+    """The KV precision fields, refused where no engine would know the value."""
+    if kv_bits is not None and kv_bits not in MLX_KV_BITS:
+        raise KvguardError(
+            f"kv_bits {kv_bits} is not a width mlx quantizes to",
+            fix="use kv_bits: " + ", ".join(map(str, MLX_KV_BITS)),
+            key="params.kv_bits",
+        )
+    if kv_group_size not in MLX_KV_GROUP_SIZES:
+        raise KvguardError(
+            f"kv_group_size {kv_group_size} is not a group size mlx quantizes with",
+            fix="use kv_group_size: " + ", ".join(map(str, MLX_KV_GROUP_SIZES)),
+            key="params.kv_group_size",
+        )
+    if kv_bits is None and (kv_group_size != DEFAULT_KV_GROUP_SIZE or quantized_kv_start):
+        which = "kv_group_size" if kv_group_size != DEFAULT_KV_GROUP_SIZE else "quantized_kv_start"
+        raise KvguardError(
+            f"{which} applies to a quantized cache, and kv_bits is not set",
+            fix=f"set kv_bits (e.g. kv_bits: 8), or remove {which}",
+            key=f"params.{which}",
+        )
+    for name, value in (("cache_type_k", cache_type_k), ("cache_type_v", cache_type_v)):
+        if value not in LLAMA_CACHE_TYPES:
+            raise KvguardError(
+                f"{name} '{value}' is not a cache type llama.cpp takes",
+                fix=f"use {name}: " + ", ".join(LLAMA_CACHE_TYPES),
+                key=f"params.{name}",
+            )
+
+
+def _eviction_policy(
+    kind: str,
+    *,
+    cap: int | None,
+    sinks: int | None,
+    positions: str,
+    evict_step: int,
+    checkpoints: int,
+    checkpoint_step: int,
+    chunk: int,
+) -> Policy:
+    """The policy's eviction and position handling, refused where it would not mean what it
+    says."""
     if kind not in POLICY_KINDS:
         raise KvguardError(f"unknown policy '{kind}'", fix="use one of " + ", ".join(POLICY_KINDS))
     if positions not in POSITION_MODES:

@@ -96,6 +96,31 @@ CHUNK = Param(
     "engine's batched path (at most cap - sinks)",
     minimum=1,
 )
+KV_BITS = Param(
+    "kv_bits", "int", None,
+    "mlx-lm: quantize the KV cache to this many bits (2, 3, 4, 5, 6, 8), as generate_step's "
+    "kv_bits; default: unquantized",
+)  # fmt: skip
+KV_GROUP_SIZE = Param(
+    "kv_group_size", "int", 64, "mlx-lm: elements per quantization group (32, 64, 128)"
+)
+QUANTIZED_KV_START = Param(
+    "quantized_kv_start", "int", 0,
+    "mlx-lm: quantize once the cache holds this many tokens (generate_step's default, 0)",
+    minimum=0,
+)  # fmt: skip
+CACHE_TYPE_K = Param(
+    "cache_type_k", "str", "f16",
+    "llama.cpp: the K cache's type (f16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1, f32, bf16)",
+)  # fmt: skip
+CACHE_TYPE_V = Param(
+    "cache_type_v", "str", "f16",
+    "llama.cpp: the V cache's type, as cache_type_k (a quantized V needs flash attention, "
+    "which kvguard then turns on)",
+)  # fmt: skip
+KV_PRECISION = (KV_BITS, KV_GROUP_SIZE, QUANTIZED_KV_START, CACHE_TYPE_K, CACHE_TYPE_V)
+"""The candidate policy's KV precision, on each engine's terms; a baseline keeps the engine's
+default precision unless it is ``unquantized`` (the candidate's policy at default precision)."""
 TEXT = Param(
     "text",
     "str",
@@ -135,6 +160,8 @@ class Fields:
         ``with_params=False``: none of them), which every engine of the check must implement
         on the scenario's engine path; errors point at ``key``."""
         p = self.params if with_params else {}
+        # Only the judged policy takes the KV precision: a baseline keeps full precision.
+        precision = {q.name: p[q.name] for q in KV_PRECISION if key == "policy" and q.name in p}
         try:
             if kind in POLICY_KINDS:  # the engine's refusal says more than make_policy's
                 for engine in self.engines:
@@ -148,6 +175,7 @@ class Fields:
                 checkpoints=p.get("checkpoints", 0),
                 checkpoint_step=p.get("checkpoint_step", DEFAULT_CHECKPOINT_STEP),
                 chunk=p.get("chunk", 1),
+                **precision,
             )
             for engine in self.engines:
                 check_policy(engine, policy, self.engine_path, self.scenario)

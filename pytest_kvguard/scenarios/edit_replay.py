@@ -34,7 +34,15 @@ from pytest_kvguard.inputs.chats import (
     reply_ids,
 )
 from pytest_kvguard.inputs.texts import Text
-from pytest_kvguard.scenarios.base import Check, Context, Fields, Measured, Param, Scenario
+from pytest_kvguard.scenarios.base import (
+    KV_PRECISION,
+    Check,
+    Context,
+    Fields,
+    Measured,
+    Param,
+    Scenario,
+)
 from pytest_kvguard.scenarios.replaying import run_edit_replay
 from pytest_kvguard.units import mib
 
@@ -117,6 +125,7 @@ class EditReplayScenario(Scenario[ReplaySpec]):
         Param("reply_tokens", "int", 64,
               "tokens of a fixed reply forced after the follow-up and scored against a fresh "
               "prefill (0: no correctness score)", minimum=0),
+        *KV_PRECISION,
     )  # fmt: skip
     budgets = ("max_reprefill_tokens", "max_reprefill_fraction", "min_reused_tokens",
                "max_memory_bytes", "max_mean_abs_nll_diff", "max_ppl_diff_pct",

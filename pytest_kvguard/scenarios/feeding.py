@@ -87,6 +87,8 @@ class StreamRun:
     """Figures at the sample points: the cap, any lengths asked for, and the end."""
     top1: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64), repr=False)
     """top1[i] = the token the logits after feeding token i rank first; -1 where not scored."""
+    quantized_from: int | None = None
+    """Tokens fed when the cache first held quantized keys and values; None: it never did."""
 
     @property
     def tokens_per_second(self) -> float:
@@ -207,6 +209,7 @@ class _Pass:
             layer_sizes=self.stream.layer_sizes(),
             samples=self.samples,
             top1=self.top1,
+            quantized_from=self.stream.quantized_from,
         )
 
 

@@ -32,6 +32,7 @@ from pytest_kvguard.inputs.texts import Text, load_text
 from pytest_kvguard.scenarios.base import (
     CAP,
     EVICT_STEP,
+    KV_PRECISION,
     POSITIONS,
     SINKS,
     TEXT,
@@ -150,7 +151,10 @@ def generation(
 class GenerateScenario(Scenario[GenerateSpec]):
     name = "generate"
     summary = "the engine's own generate call past capacity: prompts prefilled, replies scored"
-    params = (TOKENS, CAP, SINKS, POSITIONS, EVICT_STEP, PROMPT, REPLY, PREFILL_STEP, TEXT)
+    params = (
+        TOKENS, CAP, SINKS, POSITIONS, EVICT_STEP, PROMPT, REPLY, PREFILL_STEP, *KV_PRECISION,
+        TEXT,
+    )  # fmt: skip
     budgets = ("max_ppl_increase_pct", "max_post_eviction_ppl", "max_chunk_gap_pct")
     engine_path = "generation"
     detail_type = GenerateDetail

@@ -21,6 +21,7 @@ from pytest_kvguard.scenarios.base import (
     CAP,
     CHUNK,
     EVICT_STEP,
+    KV_PRECISION,
     POSITIONS,
     SINKS,
     TEXT,
@@ -189,7 +190,7 @@ LENGTHS = Param(
 class MemoryScenario(Scenario[MemorySpec]):
     name = "memory"
     summary = "KV bytes at several context lengths, measured against the predicted figure"
-    params = (LENGTHS, CAP, SINKS, POSITIONS, EVICT_STEP, CHUNK, TEXT)
+    params = (LENGTHS, CAP, SINKS, POSITIONS, EVICT_STEP, CHUNK, *KV_PRECISION, TEXT)
     budgets = (
         "max_kv_entries", "max_kv_bytes", "max_peak_memory_bytes", "bounded",
         "max_kv_bytes_per_token", "max_kv_deviation_pct",

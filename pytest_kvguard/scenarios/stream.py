@@ -7,20 +7,23 @@ ids, so the delta compares like with like.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from pytest_kvguard.cli.capacity import load_arch, predict_engine_kv_bytes, rotating_capacity
 from pytest_kvguard.engines import check_chunk
-from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.errors import EngineRefusal, KvguardError
 from pytest_kvguard.gate.budgets import Budgets
 from pytest_kvguard.gate.policies import Policy
-from pytest_kvguard.inputs.texts import load_text
+from pytest_kvguard.inputs.texts import Text, load_text
 from pytest_kvguard.scenarios.attention import explain_sinks
 from pytest_kvguard.scenarios.base import (
     CAP,
     CHUNK,
     EVICT_STEP,
+    KV_PRECISION,
     POSITIONS,
     SINKS,
     TEXT,
@@ -42,16 +45,49 @@ from pytest_kvguard.scenarios.extras import (
     kv_bytes_panels,
 )
 from pytest_kvguard.scenarios.feeding import StreamRun, growth_metric
+from pytest_kvguard.scenarios.memory import planned_calls
 from pytest_kvguard.scenarios.validate import check_bounded_run, require_text_room
 from pytest_kvguard.scoring import perplexity
+from pytest_kvguard.units import format_size
+
+UNQUANTIZED = "unquantized"
+"""The baseline that is the candidate's own policy at the engine's default KV precision: the
+delta is then the cost of quantization alone."""
+
+
+NOT_QUANTIZED_RATIO = 1.5
+"""Measured KV bytes above this many times a quantized cache's prediction: flagged "not
+quantized" (8 bits hold 1.9x less than f16 on llama.cpp, 3.6x less than float32 on mlx)."""
+
+
+def quantization_findings(policy: Policy, metrics: dict[str, float]) -> list[str]:
+    """Violations whatever the budgets: layers the engine left unquantized past
+    ``quantized_kv_start`` (mlx-lm), or a cache far larger than its quantized prediction."""
+    findings = []
+    left = int(metrics.get("kv_layers_unquantized", 0))
+    if left:
+        findings.append(
+            f"silently not quantized: the engine left {left} layer(s) at full precision "
+            f"under {policy.describe()}"
+        )
+    predicted = metrics.get("kv_bytes_predicted")
+    if predicted and metrics["kv_bytes"] > predicted * NOT_QUANTIZED_RATIO:
+        findings.append(
+            f"not quantized as asked: KV {format_size(metrics['kv_bytes'])} measured, "
+            f"{format_size(predicted)} predicted for {policy.describe()}"
+        )
+    return findings
 
 
 def check_reaches_eviction(policy: Policy, n_tokens: int) -> None:
-    """Refuse a run that would never evict: it would prove nothing about the policy."""
+    """Refuse a run that would never evict nor quantize: it would prove nothing."""
     if not policy.bounded:
+        if policy.quantized:
+            return  # a quantized full cache: what is judged is the precision, from token 0 on
         raise KvguardError(
-            "policy 'full' never evicts, so the stream scenario has nothing to judge",
-            fix="use a bounded policy (window, sink) as the candidate and full as the baseline",
+            f"policy '{policy.kind}' never evicts, so the stream scenario has nothing to judge",
+            fix="use a bounded policy (window, sink) as the candidate and full as the baseline, "
+            "or quantize it (kv_bits on mlx, cache_type_k / cache_type_v on llama.cpp)",
             key="policy",
         )
     if policy.cap is None:
@@ -75,8 +111,13 @@ class StreamResult:
 
     @property
     def split(self) -> int:
-        """First token fed after an eviction; where none happened, where the cap says it should."""
-        split = self.candidate.first_eviction or self.candidate.policy.cap
+        """First token fed after an eviction; where none happened, where the cap says it
+        should. A quantized cache that never evicts splits where the first token scored from
+        quantized keys and values is (never before token 1, so both sides hold a score)."""
+        cand = self.candidate
+        split = cand.first_eviction or cand.policy.cap
+        if split is None and cand.quantized_from is not None:
+            split = max(cand.quantized_from, 1)
         assert split is not None
         return split
 
@@ -122,7 +163,11 @@ def compare(
     candidate: StreamRun, baseline: StreamRun, single: StreamRun | None = None
 ) -> StreamResult:
     # A capped policy that never evicted is a finding (the cap was not applied), not an error.
-    if candidate.first_eviction is None and candidate.policy.cap is None:
+    if (
+        candidate.first_eviction is None
+        and candidate.policy.cap is None
+        and candidate.quantized_from is None
+    ):
         raise KvguardError(
             f"policy {candidate.policy.describe()} never evicted over {candidate.n_tokens} tokens",
             fix="raise tokens past the cap",
@@ -154,22 +199,34 @@ class StreamDetail:
 class StreamScenario(Scenario[StreamSpec]):
     name = "stream"
     summary = "feed a long text far past the cache's capacity, score every next token"
-    params = (TOKENS, CAP, SINKS, POSITIONS, EVICT_STEP, CHUNK, TEXT)
+    params = (TOKENS, CAP, SINKS, POSITIONS, EVICT_STEP, CHUNK, *KV_PRECISION, TEXT)
     budgets = (
         "max_ppl_increase_pct", "max_post_eviction_ppl", "max_kv_entries", "max_kv_bytes",
-        "max_peak_memory_bytes", "bounded", "max_chunk_gap_pct",
+        "max_peak_memory_bytes", "bounded", "max_chunk_gap_pct", "max_kv_deviation_pct",
     )  # fmt: skip
     detail_type = StreamDetail
     takes_baseline = True
     footnote = (
-        "ppl = perplexity over the tokens fed after the first eviction; "
+        "ppl = perplexity over the tokens fed after the first eviction (a quantized full "
+        "cache: after it was quantized); "
         "delta = candidate vs baseline on the same token ids."
     )
 
     def build(self, fields: Fields) -> StreamSpec:
         assert fields.policy is not None
         policy = fields.policy_of("policy", fields.policy)
-        baseline = fields.policy_of("baseline", fields.baseline or "full")
+        if fields.baseline == UNQUANTIZED:
+            if not policy.quantized:
+                raise KvguardError(
+                    "baseline 'unquantized' is the candidate's policy at full precision, and "
+                    "this check asks for no quantized cache",
+                    fix="set kv_bits (mlx) or cache_type_k / cache_type_v (llama.cpp), or use "
+                    "baseline: full",
+                    key="baseline",
+                )
+            baseline = policy.unquantized()
+        else:
+            baseline = fields.policy_of("baseline", fields.baseline or "full")
         tokens: int = fields.params["tokens"]
         check_reaches_eviction(policy, tokens)
         if baseline == policy:
@@ -217,8 +274,12 @@ class StreamScenario(Scenario[StreamSpec]):
         text = load_text(spec.text, check.base_dir)
         base_run, base_new = ctx.stream_run(check.engine, check.model, spec.baseline, text,
                                             spec.tokens)  # fmt: skip
-        cand_run, cand_new = ctx.stream_run(check.engine, check.model, spec.policy, text,
-                                            spec.tokens)  # fmt: skip
+        try:
+            cand_run, cand_new = ctx.stream_run(check.engine, check.model, spec.policy, text,
+                                                spec.tokens)  # fmt: skip
+        except EngineRefusal as exc:
+            ctx.say(f"{check.name}: {exc.message}")
+            return self._refused(spec, text, base_run, exc.message)
         seconds = {
             "candidate": cand_run.seconds if cand_new else 0.0,
             "baseline": base_run.seconds if base_new else 0.0,
@@ -230,11 +291,20 @@ class StreamScenario(Scenario[StreamSpec]):
                                                     text, spec.tokens)  # fmt: skip
             seconds["single_token"] = single_run.seconds if single_new else 0.0
         result = compare(cand_run, base_run, single_run)
+        metrics, findings = result.metrics, []
+        if spec.policy.precision_set:
+            # What a quantized cache saves is only believed against the prediction.
+            predicted = self._predicted_kv_bytes(ctx, check, cand_run)
+            if predicted is not None and "kv_bytes" in metrics:
+                metrics["kv_bytes_predicted"] = predicted
+                metrics["kv_deviation_pct"] = abs(metrics["kv_bytes"] / predicted - 1.0) * 100.0
+            findings = quantization_findings(spec.policy, metrics)
         return Measured(
             policy=spec.policy.describe(),
             tokens=spec.tokens,
             text=text,
-            metrics=result.metrics,
+            findings=findings,
+            metrics=metrics,
             seconds=seconds,
             tokens_per_second=cand_run.tokens_per_second,
             detail=StreamDetail(
@@ -246,20 +316,68 @@ class StreamScenario(Scenario[StreamSpec]):
             ),  # fmt: skip
         )
 
+    def _predicted_kv_bytes(
+        self, ctx: Context, check: Check[StreamSpec], run: StreamRun
+    ) -> float | None:
+        """The engine's KV-size prediction for the candidate at the end of its run; None where
+        kvguard cannot read the model's architecture or the engine has no prediction."""
+        try:
+            arch = load_arch(check.model.resolve())
+            loaded = ctx.engine(check.engine, check.model)
+            ends = planned_calls(run.policy, rotating_capacity(check.engine, run.policy, arch),
+                                 run.n_tokens, [run.n_tokens])  # fmt: skip
+            return predict_engine_kv_bytes(
+                check.engine, arch, run.n_tokens, run.policy,
+                element_bytes=loaded.kv_element_bytes, last_call=ends[run.n_tokens],
+            )  # fmt: skip
+        except KvguardError:
+            return None
+
+    def _refused(self, spec: StreamSpec, text: Text, base_run: StreamRun, refusal: str) -> Measured:
+        """The engine refused the candidate's settings: the refusal is the check's finding,
+        every figure it would have measured is NaN (a budget on one is broken, never met)."""
+        gated = Budgets.gated_metrics(self.budgets)
+        metrics = {name: math.nan for name in gated}
+        metrics.update(
+            engine_refused=1.0,
+            baseline_post_eviction_ppl=perplexity(base_run.nll[spec.policy.cap or 1 :]),
+            post_eviction_ppl=math.nan,
+            ppl_increase_pct=math.nan,
+        )
+        return Measured(
+            policy=spec.policy.describe(),
+            tokens=spec.tokens,
+            text=text,
+            metrics=metrics,
+            seconds={"baseline": 0.0},
+            tokens_per_second=math.nan,
+            detail=StreamDetail(baseline=spec.baseline.describe()),
+            findings=[f"engine refused: {refusal}"],
+        )
+
     def table(self, outcomes: Sequence[Any]) -> tuple[list[str], list[list[list[str]]]]:
         headers = ["tokens", "baseline", "base ppl", "ppl", "delta"]
-        chunked = any("chunk_gap_pct" in o.metrics for o in outcomes)
+        chunked = any("single_token_post_eviction_ppl" in o.metrics for o in outcomes)
+        predicted = any("kv_bytes_predicted" in o.metrics for o in outcomes)
+        if predicted:
+            headers += ["KV", "predicted"]
         if chunked:
             headers += ["1-token ppl", "chunk gap"]
         lines = []
         for o in outcomes:
             m = o.metrics
+            refused = bool(m.get("engine_refused"))
             row = [
                 str(o.tokens), o.detail.baseline, f"{m['baseline_post_eviction_ppl']:.2f}",
-                f"{m['post_eviction_ppl']:.2f}", f"{m['ppl_increase_pct']:+.1f}%",
+                "refused" if refused else f"{m['post_eviction_ppl']:.2f}",
+                "" if refused else f"{m['ppl_increase_pct']:+.1f}%",
             ]  # fmt: skip
+            if predicted:
+                has = "kv_bytes_predicted" in m
+                row += [format_size(m["kv_bytes"]) if has else "",
+                        format_size(m["kv_bytes_predicted"]) if has else ""]  # fmt: skip
             if chunked:
-                gap = "chunk_gap_pct" in m
+                gap = "single_token_post_eviction_ppl" in m
                 row += [f"{m['single_token_post_eviction_ppl']:.2f}" if gap else "",
                         f"{m['chunk_gap_pct']:+.1f}%" if gap else ""]  # fmt: skip
             lines.append([row])

@@ -23,6 +23,11 @@ SEQ = 0
 UBATCH = 512
 """Tokens per llama_decode call (n_batch and n_ubatch of every context)."""
 
+GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8,
+              "iq4_nl": 20, "bf16": 30}  # fmt: skip
+"""ggml's type enum for the cache types llama.cpp takes (``ggml_type``: fixed numbers;
+llama-cpp-python exports no constant for bf16)."""
+
 
 class Context:
     """A llama.cpp context and a reusable batch: one sequence (a stream or prefix cache of its
@@ -30,9 +35,18 @@ class Context:
 
     def __init__(
         self, engine: LlamaCppEngine, n_ctx: int, swa_full: bool = False, n_seq: int = 1,
-        flash_attn: bool | None = None,
+        flash_attn: bool | None = None, cache_types: tuple[str, str] = ("f16", "f16"),
     ) -> None:  # fmt: skip
         self.n_ctx, self.n_seq = n_ctx, n_seq
+        type_k, type_v = cache_types
+        if type_v not in ("f16", "f32", "bf16"):
+            # llama.cpp quantizes V only under flash attention (it refuses the context else).
+            if flash_attn is False:
+                raise EngineError(
+                    f"a {type_v} V cache needs flash attention, which this path turns off",
+                    fix="use cache_type_v: f16 here",
+                )
+            flash_attn = True
         params = lc.llama_context_default_params()
         params.n_ctx = n_ctx  # llama.cpp pads the cell count to a multiple of 256
         params.n_batch = UBATCH
@@ -45,6 +59,7 @@ class Context:
         params.n_threads = engine.options.n_threads
         params.n_threads_batch = engine.options.n_threads
         params.swa_full = swa_full
+        params.type_k, params.type_v = GGML_TYPES[type_k], GGML_TYPES[type_v]
         if flash_attn is not None:  # else llama.cpp's own choice (auto: on, on the CPU)
             if hasattr(params, "flash_attn_type"):
                 on, off = lc.LLAMA_FLASH_ATTN_TYPE_ENABLED, lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
@@ -57,7 +72,8 @@ class Context:
         buffers = buffer_mib(log)
         self.kv_buffer_bytes, self.compute_buffer_bytes = buffers["KV"], buffers["compute"]
         if not ctx:
-            raise EngineError(f"llama.cpp could not create a context: {log_excerpt()}")
+            types = "" if cache_types == ("f16", "f16") else f" (K {type_k}, V {type_v})"
+            raise EngineError(f"llama.cpp could not create a context{types}: {log_excerpt()}")
         self.ctx = ctx
         self.memory = lc.llama_get_memory(ctx)
         self.batch = lc.llama_batch_init(UBATCH, 0, 1)
@@ -102,13 +118,16 @@ class CacheSequence:
     def __init__(
         self, engine: LlamaCppEngine, n_ctx: int, swa_full: bool = False,
         shared: Context | None = None, seq: int = SEQ, flash_attn: bool | None = None,
+        cache_types: tuple[str, str] = ("f16", "f16"),
     ) -> None:  # fmt: skip
         self.engine = engine
         self.seq = seq
         self.n_ctx = n_ctx
         """The cells asked for (of a context of its own; what a row of a group reports as)."""
         self.own_context: Context | None = (
-            None if shared else Context(engine, n_ctx, swa_full, flash_attn=flash_attn)
+            None
+            if shared
+            else Context(engine, n_ctx, swa_full, flash_attn=flash_attn, cache_types=cache_types)
         )
         context = shared or self.own_context
         assert context is not None

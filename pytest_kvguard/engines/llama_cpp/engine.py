@@ -108,11 +108,12 @@ class LlamaCppEngine:
     def group_key(self, policy: Policy) -> tuple[str, int] | None:
         """Policies with the same key decode together as sequences of one context
         (``open_stream_group``): capped sink and window policies that evict one token before
-        each token they decode, so every row takes the same step once full. Not on models with
+        each token they decode, so every row takes the same step once full, at the default
+        cache types. Not on models with
         sliding-window layers (a sequence's state leaves out the iSWA cells its kv_bytes must
         count), nor re-indexed on a cache that cannot shift."""
-        if policy.kind not in ("sink", "window") or policy.cap is None:
-            return None
+        if policy.kind not in ("sink", "window") or policy.cap is None or policy.precision_set:
+            return None  # a context's cache types are its own: a quantized stream runs alone
         if policy.chunk != 1 or policy.evict_step != 1 or self.n_swa > 0:
             return None
         if policy.positions == "reindexed" and not solo_facts(self, policy.cap).can_shift:

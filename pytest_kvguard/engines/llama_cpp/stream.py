@@ -36,8 +36,11 @@ class LlamaCppStream(CacheSequence):
             swa_full=policy.kind == "swa_full",
             shared=shared,
             seq=seq,
+            cache_types=(policy.cache_type_k, policy.cache_type_v),
         )
         self.policy = policy
+        self.quantized_from = 0 if policy.quantized else None
+        """llama.cpp writes every cell in the context's cache types, from the first token."""
         if (
             policy.positions == "reindexed"
             and policy.cap is not None

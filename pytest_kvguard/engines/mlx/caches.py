@@ -14,7 +14,12 @@ from typing import Any  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
-from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache  # noqa: E402
+from mlx_lm.models.cache import (  # noqa: E402
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
 
 from pytest_kvguard.errors import KvguardError  # noqa: E402
 from pytest_kvguard.gate.policies import Policy  # noqa: E402
@@ -30,7 +35,11 @@ def eval_caches(caches: Sequence[Any]) -> None:
 
 def cache_size(cache: Any) -> int:
     """KV entries one layer's cache holds. ``size()`` arrived in mlx-lm 0.30.4; before it, a
-    ``KVCache`` held its offset and a ``RotatingKVCache`` at most ``max_size`` of it."""
+    ``KVCache`` held its offset and a ``RotatingKVCache`` at most ``max_size`` of it. A
+    ``QuantizedKVCache`` holds its offset: it defines no ``size()`` (the base class's says 0
+    in every release up to 0.32.2)."""
+    if isinstance(cache, QuantizedKVCache):
+        return int(cache.offset)
     if hasattr(cache, "size"):
         return int(cache.size())
     if isinstance(cache, RotatingKVCache):
@@ -40,7 +49,13 @@ def cache_size(cache: Any) -> int:
 
 def cache_nbytes(cache: Any) -> int:
     """Bytes of one layer's K and V buffers as allocated. ``nbytes`` arrived in mlx-lm 0.31; it
-    is the same sum of the two arrays' sizes."""
+    is the same sum of the two arrays' sizes. A ``QuantizedKVCache`` holds a (packed, scales,
+    biases) tuple each for K and V, summed here: its ``nbytes`` raises NameError in mlx-lm
+    0.31.1 and 0.31.2 (a missing import) and is the same sum from 0.31.3."""
+    if isinstance(cache, QuantizedKVCache):
+        if cache.keys is None:
+            return 0
+        return int(sum(a.nbytes for a in (*cache.keys, *cache.values)))
     if hasattr(type(cache), "nbytes"):
         return int(cache.nbytes)
     if cache.keys is None:

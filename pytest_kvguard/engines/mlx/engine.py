@@ -121,8 +121,8 @@ class MlxEngine:
         dimension; and once full they grow no more, so a row's memory measured up to then is
         its run's. None for anything else (a layer that keeps everything, or rotates at another
         size, goes on growing past the point where the row joins the group)."""
-        if policy.chunk != 1 or policy.kind == "full":
-            return None
+        if policy.chunk != 1 or policy.kind == "full" or policy.precision_set:
+            return None  # a quantized cache returns packed tuples: its rows do not stack
         if policy not in self._group_keys:
             try:
                 caches = make_caches(self.model, policy)

@@ -12,7 +12,9 @@ from typing import TYPE_CHECKING, Any  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
+from mlx_lm.generate import maybe_quantize_kv_cache  # noqa: E402
 from mlx_lm.models.cache import (  # noqa: E402
+    QuantizedKVCache,
     RotatingKVCache,
     can_trim_prompt_cache,
     trim_prompt_cache,
@@ -24,7 +26,7 @@ from pytest_kvguard.engines.mlx.caches import (  # noqa: E402
     eval_caches,
     make_caches,
 )
-from pytest_kvguard.errors import EngineError  # noqa: E402
+from pytest_kvguard.errors import EngineError, EngineRefusal  # noqa: E402
 from pytest_kvguard.gate.policies import Policy  # noqa: E402
 from pytest_kvguard.scoring import nll_of  # noqa: E402
 
@@ -53,6 +55,12 @@ class MlxStream:
         if group is None:
             self._start_measuring()
         self.cache = make_caches(self.model, policy)
+        self.version = engine.version()
+        self.quantized_from: int | None = None
+        """Tokens fed when mlx-lm first quantized a layer's cache (``kv_bits``)."""
+        self.unquantized_layers = 0
+        """Layers mlx-lm left unquantized after the last call although they held more than
+        ``quantized_kv_start`` tokens (mlx-lm 0.28.0 skips every cache but ``KVCache``)."""
 
     def _start_measuring(self) -> None:
         mx.synchronize()
@@ -112,9 +120,34 @@ class MlxStream:
         except (RuntimeError, ValueError) as exc:
             raise EngineError(f"mlx-lm forward pass failed: {exc}") from None
         del rows
+        if self.policy.kv_bits is not None:
+            self._quantize()
         if group is not None and group.measuring is self:
             self._measure()
         return out
+
+    def _quantize(self) -> None:
+        """mlx-lm's own step after each model call in ``generate_step``: quantize the caches
+        that hold ``quantized_kv_start`` tokens or more. Its refusal (``NotImplementedError``
+        for a ``RotatingKVCache`` from 0.28.1 on) is reported as the engine's, in one line."""
+        p = self.policy
+        try:
+            maybe_quantize_kv_cache(self.cache, p.quantized_kv_start, p.kv_group_size, p.kv_bits)
+        except NotImplementedError as exc:
+            kinds = sorted({type(c).__name__ for c in self.cache
+                            if not isinstance(c, QuantizedKVCache)})  # fmt: skip
+            raise EngineRefusal(
+                f"mlx-lm {self.version} refuses to quantize {' and '.join(kinds)} to "
+                f"{p.kv_bits} bits ({p.describe()}): NotImplementedError: {exc}",
+                fix="quantize a full cache, or keep this policy unquantized",
+            ) from None
+        quantized = [isinstance(c, QuantizedKVCache) for c in self.cache]
+        if any(quantized) and self.quantized_from is None:
+            self.quantized_from = max(int(c.offset) for c in self.cache)
+        self.unquantized_layers = sum(
+            not q and int(c.offset) > p.quantized_kv_start
+            for q, c in zip(quantized, self.cache, strict=True)
+        )
 
     def _kv_bytes(self) -> float:
         return float(sum(cache_nbytes(c) for c in self.cache))
@@ -127,6 +160,8 @@ class MlxStream:
             "kv_bytes": kv_bytes,
             "kv_entries_total": float(sum(cache_size(c) for c in self.cache)),
         }
+        if self.policy.kv_bits is not None:
+            figures["kv_layers_unquantized"] = float(self.unquantized_layers)
         # A grouped row's memory figures hold while its cache has not grown since they were
         # measured (a rotating cache, full, does not); otherwise it has none to report.
         if kv_bytes == self.measured_kv_bytes:

@@ -197,6 +197,8 @@ class LlamaServerEngine:
             swa_full=policy.kind == "swa_full",
             ctx_checkpoints=policy.checkpoints,
             checkpoint_min_step=policy.checkpoint_step if policy.checkpoints else 0,
+            cache_type_k=policy.cache_type_k,
+            cache_type_v=policy.cache_type_v,
         )
         return ServerPrefixCache(self, settings)
 
@@ -215,11 +217,14 @@ class LlamaServerEngine:
         prompt = turns[0].prompt
         forced = list(token_ids[prompt : sum(t.prompt + t.reply for t in turns)])
         if policy.cap is None:
-            settings = ServerSettings(n_ctx=len(token_ids) + 1)
+            settings = ServerSettings(n_ctx=len(token_ids) + 1, cache_type_k=policy.cache_type_k,
+                                      cache_type_v=policy.cache_type_v)  # fmt: skip
             keep: int | None = 0
             discard = 0
         else:
-            settings = ServerSettings(n_ctx=policy.cap + 1, context_shift=True)
+            settings = ServerSettings(n_ctx=policy.cap + 1, context_shift=True,
+                                      cache_type_k=policy.cache_type_k,
+                                      cache_type_v=policy.cache_type_v)  # fmt: skip
             keep, discard = self._keep_and_discard(policy)
             if prompt >= policy.cap:
                 raise KvguardError(

@@ -96,6 +96,11 @@ class ServerSettings:
     ctx_checkpoints: int = 0
     checkpoint_min_step: int = 0
     context_shift: bool = False
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+    """The K and V cache types (``--cache-type-k`` / ``--cache-type-v``). A quantized V needs
+    flash attention: llama-server's default (auto) turns it on where the backend has it, and
+    the server refuses to start otherwise, which the check reports as its error."""
 
     def args(self) -> list[str]:
         args = ["--ctx-size", str(self.n_ctx), "--parallel", "1"]
@@ -105,6 +110,8 @@ class ServerSettings:
         args += ["--context-shift" if self.context_shift else "--no-context-shift"]
         if self.swa_full:
             args.append("--swa-full")
+        if (self.cache_type_k, self.cache_type_v) != ("f16", "f16"):
+            args += ["--cache-type-k", self.cache_type_k, "--cache-type-v", self.cache_type_v]
         return args
 
 
