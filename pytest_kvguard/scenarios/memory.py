@@ -103,8 +103,9 @@ class MemoryResult:
             return []
         worst = max(over, key=lambda row: row.kv_bytes / row.predicted_bytes)
         at = ", ".join(str(row.tokens) for row in over)
+        what = "cap, window or quantization" if self.run.policy.quantized else "cap or window"
         return [
-            f"cap or window not applied: at {at} tokens the cache holds more than "
+            f"{what} not applied: at {at} tokens the cache holds more than "
             f"{NOT_APPLIED_RATIO}x the prediction for {self.run.policy.describe()} "
             f"(worst: {format_size(worst.kv_bytes)} vs {format_size(worst.predicted_bytes)} "
             f"at {worst.tokens} tokens)"
