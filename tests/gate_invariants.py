@@ -116,9 +116,7 @@ def assert_row_holds(row: Mapping[str, Any], check: Check[Any]) -> None:
         # Before the first eviction every policy holds the same tokens: only batching differs
         # (and a quantized cache's precision, from the first token on).
         if not spec.policy.quantized:
-            assert m["pre_eviction_ppl"] == pytest.approx(
-                m["baseline_pre_eviction_ppl"], rel=2e-3
-            )
+            assert m["pre_eviction_ppl"] == pytest.approx(m["baseline_pre_eviction_ppl"], rel=2e-3)
     elif spec.policy.kind == "engine_default":
         # The finding: the cap was asked for and not applied (some layers keep every token).
         assert m["kv_entries"] == spec.tokens > cap
