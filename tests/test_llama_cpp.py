@@ -214,3 +214,10 @@ def test_quantized_cache_types_hold_the_predicted_bytes(
     assert run.engine_figures["kv_bytes"] < f16.engine_figures["kv_bytes"] * 0.8
     assert run.quantized_from == 0
     assert perplexity(run.nll) == pytest.approx(perplexity(f16.nll), rel=0.05)
+
+
+def test_every_cache_type_kvguard_accepts_has_its_ggml_type() -> None:
+    from pytest_kvguard.engines.llama_cpp.context import GGML_TYPES
+    from pytest_kvguard.gate.policies import LLAMA_CACHE_TYPES
+
+    assert set(GGML_TYPES) == set(LLAMA_CACHE_TYPES)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pytest_kvguard.cli.capacity import load_arch, predict_engine_kv_bytes, rotating_capacity
+from pytest_kvguard.cli.capacity import load_arch
 from pytest_kvguard.engines import check_chunk
 from pytest_kvguard.errors import EngineRefusal, KvguardError
 from pytest_kvguard.gate.budgets import Budgets
@@ -45,7 +45,7 @@ from pytest_kvguard.scenarios.extras import (
     kv_bytes_panels,
 )
 from pytest_kvguard.scenarios.feeding import StreamRun, growth_metric
-from pytest_kvguard.scenarios.memory import planned_calls
+from pytest_kvguard.scenarios.memory import NOT_APPLIED_RATIO, kv_bytes_predictor
 from pytest_kvguard.scenarios.validate import check_bounded_run, require_text_room
 from pytest_kvguard.scoring import perplexity
 from pytest_kvguard.units import format_size
@@ -53,11 +53,6 @@ from pytest_kvguard.units import format_size
 UNQUANTIZED = "unquantized"
 """The baseline that is the candidate's own policy at the engine's default KV precision: the
 delta is then the cost of quantization alone."""
-
-
-NOT_QUANTIZED_RATIO = 1.5
-"""Measured KV bytes above this many times a quantized cache's prediction: flagged "not
-quantized" (8 bits hold 1.9x less than f16 on llama.cpp, 3.6x less than float32 on mlx)."""
 
 
 def quantization_findings(policy: Policy, metrics: dict[str, float]) -> list[str]:
@@ -71,7 +66,7 @@ def quantization_findings(policy: Policy, metrics: dict[str, float]) -> list[str
             f"under {policy.describe()}"
         )
     predicted = metrics.get("kv_bytes_predicted")
-    if predicted and metrics["kv_bytes"] > predicted * NOT_QUANTIZED_RATIO:
+    if predicted and metrics["kv_bytes"] > predicted * NOT_APPLIED_RATIO:
         findings.append(
             f"not quantized as asked: KV {format_size(metrics['kv_bytes'])} measured, "
             f"{format_size(predicted)} predicted for {policy.describe()}"
@@ -319,17 +314,15 @@ class StreamScenario(Scenario[StreamSpec]):
     def _predicted_kv_bytes(
         self, ctx: Context, check: Check[StreamSpec], run: StreamRun
     ) -> float | None:
-        """The engine's KV-size prediction for the candidate at the end of its run; None where
-        kvguard cannot read the model's architecture or the engine has no prediction."""
+        """The engine's KV-size prediction for the candidate at the end of its run (the memory
+        scenario's); None where kvguard cannot read the model's architecture or the engine has
+        no prediction."""
         try:
-            arch = load_arch(check.model.resolve())
-            loaded = ctx.engine(check.engine, check.model)
-            ends = planned_calls(run.policy, rotating_capacity(check.engine, run.policy, arch),
-                                 run.n_tokens, [run.n_tokens])  # fmt: skip
-            return predict_engine_kv_bytes(
-                check.engine, arch, run.n_tokens, run.policy,
-                element_bytes=loaded.kv_element_bytes, last_call=ends[run.n_tokens],
+            predict = kv_bytes_predictor(
+                check.engine, load_arch(check.model.resolve()), run.policy, run.n_tokens,
+                [run.n_tokens], ctx.engine(check.engine, check.model).kv_element_bytes,
             )  # fmt: skip
+            return predict(run.n_tokens)
         except KvguardError:
             return None
 

@@ -13,6 +13,7 @@ import numpy as np
 from pytest_kvguard.engines.buffer_sizes import buffer_mib
 from pytest_kvguard.engines.llama_log import captured_log, log_excerpt
 from pytest_kvguard.errors import EngineError
+from pytest_kvguard.gate.policies import UNQUANTIZED_CACHE_TYPES
 
 if TYPE_CHECKING:
     from pytest_kvguard.engines.llama_cpp.engine import LlamaCppEngine
@@ -39,7 +40,7 @@ class Context:
     ) -> None:  # fmt: skip
         self.n_ctx, self.n_seq = n_ctx, n_seq
         type_k, type_v = cache_types
-        if type_v not in ("f16", "f32", "bf16"):
+        if type_v not in UNQUANTIZED_CACHE_TYPES:
             # llama.cpp quantizes V only under flash attention (it refuses the context else).
             if flash_attn is False:
                 raise EngineError(
