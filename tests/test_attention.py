@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from pytest_kvguard.gate.policies import make_policy
 from pytest_kvguard.gate.runner import Runner
 from pytest_kvguard.inputs.models import ModelRef
 from pytest_kvguard.inputs.texts import pydoc_topics
@@ -226,3 +227,40 @@ def test_captures_past_one_batch_keep_positions_and_masks(
     whole, _, _ = mlx_attention.capture(model, ids, rows)
     np.testing.assert_allclose(chunked, whole, atol=1e-5)
     np.testing.assert_allclose(chunked.sum(-1), 1.0, atol=1e-5)
+
+
+@pytest.mark.llama_cpp
+def test_llama_cpp_reads_its_attention_over_a_quantized_k_cache(kvguard_runner: Runner) -> None:
+    """K is written to the cache before KQ reads it back: the probabilities move with the K
+    type, further at 4 bits than at 8, and stay rows of a softmax."""
+    engine: Any = kvguard_runner.engine("llama_cpp", SMOLLM2)
+    ids = kvguard_runner.token_ids("llama_cpp", SMOLLM2, pydoc_topics(), 300)
+    f16 = engine.attention(ids, ROWS).probs
+    q8 = engine.attention(ids, ROWS, make_policy("full", cache_type_k="q8_0"))
+    q4 = engine.attention(ids, ROWS, make_policy("full", cache_type_k="q4_0"))
+    assert q4.how.endswith("K cache q4_0")
+    for rows in (q8.probs, q4.probs):
+        np.testing.assert_allclose(rows.sum(-1), 1.0, atol=1e-5)
+    moved_q8, moved_q4 = np.abs(q8.probs - f16).max(), np.abs(q4.probs - f16).max()
+    assert 0 < moved_q8 < moved_q4, (moved_q8, moved_q4)
+
+
+@pytest.mark.mlx
+def test_mlx_reads_its_attention_over_its_own_quantized_cache(kvguard_runner: Runner) -> None:
+    """mlx-lm's maybe_quantize_kv_cache runs after each call, the query rows start a call of
+    their own, and probs @ the dequantized V reproduce mlx-lm's quantized attention output."""
+    from pytest_kvguard.engines.mlx.attention import capture, feed_spans
+
+    assert feed_spans(700, 300, False) == [(0, 512), (512, 700)]
+    assert feed_spans(700, 300, True) == [(0, 300), (300, 512), (512, 700)]
+    model = kvguard_runner.engine("mlx", SMOLLM2).model  # type: ignore[attr-defined]
+    ids = kvguard_runner.token_ids("mlx", SMOLLM2, pydoc_topics(), 300)
+    f16, _, _ = capture(model, ids, ROWS)
+    moved = []
+    for bits in (8, 4):
+        precision = make_policy("full", kv_bits=bits)
+        probs, reconstruction_error, _ = capture(model, ids, ROWS, precision)
+        assert reconstruction_error < 1.0, (bits, reconstruction_error)
+        np.testing.assert_allclose(probs.sum(-1), 1.0, atol=1e-5)
+        moved.append(np.abs(probs - f16).max())
+    assert 0 < moved[0] < moved[1], moved

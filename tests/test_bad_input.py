@@ -291,6 +291,18 @@ CASES = {
         "    budgets: {max_kv_entries: 64}\n",
         "budgets.yaml:6: baseline 'unquantized' is the candidate's policy at full precision*",
     ),
+    "attention_with_a_quantized_v": (
+        "    engine: llama_cpp\n    scenario: attention\n"
+        "    params: {cache_type_k: q8_0, cache_type_v: q8_0}\n"
+        "    budgets: {min_sink_mass_pct: 10}\n",
+        "budgets.yaml:7: attention reads llama.cpp's probabilities with flash attention off, "
+        "and a q8_0 V cache needs it on (fix: quantize K only*",
+    ),
+    "sink_mass_diff_of_an_unquantized_attention_check": (
+        "    engine: llama_cpp\n    scenario: attention\n"
+        "    budgets: {max_sink_mass_diff_pct: 5}\n",
+        "budgets.yaml:7: max_sink_mass_diff_pct compares the quantized cache's sink mass*",
+    ),
     "server_stream": (
         "    engine: llama_server\n    policy: sink\n    params: {cap: 255, tokens: 1500}\n"
         "    budgets: {max_ppl_increase_pct: 25}\n",

@@ -174,14 +174,16 @@ def test_mlx_group_rows_may_differ_in_ids_length_and_scoring(kvguard_runner: Run
         assert_same_run(together, alone, figures=False)
         # A row's cache figures are its own; its peak and active memory are measured over the
         # calls it made alone (the fill and one token past it), which set a run's peak: equal
-        # to the run alone up to the allocator's own variation (measured here: 0 to 590 KB),
-        # where another row's 11 MiB cache counted in would be caught.
+        # to the run alone up to the allocator's own variation (measured here: 0 to 590 KB
+        # alone, 1,179,264 B once in the whole suite). The error this catches is another
+        # row's cache counted in, so the tolerance is half the smallest such cache (5.6 MiB).
+        others = min(float(run.samples[-1].figures["kv_bytes"]) for run in grouped)
         for mine, solo in zip(together.samples, alone.samples, strict=True):
             assert {k: mine.figures[k] for k in ("kv_bytes", "kv_entries_total",
                     "active_memory_bytes")} == {k: solo.figures[k] for k in ("kv_bytes",
                     "kv_entries_total", "active_memory_bytes")}  # fmt: skip
             assert mine.figures["peak_memory_bytes"] == pytest.approx(
-                solo.figures["peak_memory_bytes"], abs=2**20)  # fmt: skip
+                solo.figures["peak_memory_bytes"], abs=others / 2)  # fmt: skip
 
 
 def fake_check(name: str, **entry: Any) -> Check[Any]:

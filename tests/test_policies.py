@@ -96,7 +96,7 @@ def test_kv_precision_values_no_engine_knows(kwargs: dict, message: str, key: st
         ("openai", "prefix_cache", {"cache_type_k": "q8_0"}, "takes no KV precision settings"),
         ("llama_cpp", "prefix_cache", {"cache_type_v": "q8_0"}, "not to edit_replay checks"),
         ("mlx", "feed_unscored", {"kv_bits": 8}, "not to memory checks"),
-        ("mlx", "generation", {"kv_bits": 4}, "to stream checks only"),
+        ("mlx", "generation", {"kv_bits": 4}, "to stream checks, attention checks only"),
         ("llama_server", "generation", {"kv_bits": 8}, "cache_type_v, not kv_bits"),
         ("mlx", "feed", {"kv_bits": 8, "cache_type_k": "q8_0"}, "are set together"),
     ],

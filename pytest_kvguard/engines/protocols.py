@@ -203,8 +203,11 @@ class ReadsAttention(Protocol):
         """The vocabulary's BOS token; None where it has none."""
         ...
 
-    def attention(self, token_ids: Sequence[int], queries: Sequence[int]) -> AttentionRows:
-        """Attention probabilities for those query positions under a full cache."""
+    def attention(
+        self, token_ids: Sequence[int], queries: Sequence[int], precision: Policy | None = None
+    ) -> AttentionRows:
+        """Attention probabilities for those query positions under a full cache, kept at the
+        KV precision of ``precision`` (a full policy; None: the engine's default)."""
         ...
 
     def token_piece(self, token_id: int) -> str:

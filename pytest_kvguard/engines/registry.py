@@ -119,7 +119,7 @@ ENGINES: dict[str, EngineInfo] = {
             self_evicting=("swa",),
             capabilities=frozenset({"reads_attention", "groups", "snapshot", "api_reuse"}),
             kv_precision="cache_types",
-            kv_precision_paths=("feed",),
+            kv_precision_paths=("feed", "attention_read"),
         ),
         EngineInfo(
             "mlx",
@@ -139,7 +139,7 @@ ENGINES: dict[str, EngineInfo] = {
             model_forms=("gguf", "folder", "hub"),
             capabilities=frozenset({"reads_attention", "groups", "api_reuse"}),
             kv_precision="kv_bits",
-            kv_precision_paths=("feed",),
+            kv_precision_paths=("feed", "attention_read"),
         ),
         EngineInfo(
             "llama_server",

@@ -261,9 +261,10 @@ class Budgets:
         "max",
         " pt",
         "sink diff",
-        "largest per-head difference in mass on the first tokens between engines",
+        "largest per-head difference in mass on the first tokens between engines or precisions",
         "attention_parity: the largest |mass(B) - mass(A)| over layers and heads, mass on the "
-        "first `sinks` tokens in percentage points.",
+        "first `sinks` tokens in percentage points; attention (a quantized cache): the same "
+        "between the quantized and the full-precision cache, on one engine.",
         span=(0.0, 100.0),
     )
 

@@ -7,21 +7,34 @@ against its fused kernel's output). From them: the sink token (the position that
 most attention from every query), the mass each head puts on the first k tokens (k = 1..8) and
 on the most recent window, and the share of sink heads. A red stream check is explained here:
 evict the first tokens and the sink heads lose what they park their attention on.
+
+With a KV precision (mlx-lm's ``kv_bits``, llama.cpp's ``cache_type_k``), the rows are read
+again over the engine's quantized cache, and compared head by head with the full-precision
+read of the same run: how far quantization moves the mass the sink heads park.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from pytest_kvguard.engines import AttentionRows, ReadsAttention
 from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.gate.budgets import Budgets
+from pytest_kvguard.gate.policies import Policy
 from pytest_kvguard.inputs.models import ModelRef
 from pytest_kvguard.inputs.texts import Text, load_text
+from pytest_kvguard.scenarios.attention_precision import (
+    against_unquantized,
+    check_diff_budget,
+    head_diff_figures,
+    precision_of,
+)
 from pytest_kvguard.scenarios.base import (
+    KV_PRECISION,
     TEXT,
     Check,
     Context,
@@ -96,6 +109,9 @@ class AttentionSpec:
     sink_threshold: int
     recent: int
     bos: str
+    precision: Policy | None = None
+    """The full cache at a KV precision (read beside the full-precision cache); None: the
+    engine's default precision alone."""
 
 
 def default_queries(tokens: int) -> tuple[int, ...]:
@@ -123,6 +139,9 @@ class AttentionDetail:
     included)."""
     how: str
     """How the engine's probabilities were read, in one line."""
+    unquantized_head_sink_mass: list[list[float]] = field(default_factory=list)
+    """A quantized check: per layer and head, the mass on the first ``sinks`` tokens over the
+    full-precision cache (``head_sink_mass`` is over the quantized one); empty otherwise."""
 
 
 def sink_figures(
@@ -192,23 +211,31 @@ def with_bos(ids: list[int], bos_id: int | None, mode: str) -> list[int]:
 
 
 def capture(
-    ctx: Context, engine_name: str, model: ModelRef, text: Text, spec: AttentionSpec
-) -> tuple[AttentionRows, list[int], bool]:
-    """The engine's attention rows for the spec's queries (memoised per session: a parity
-    check and an attention check of the same text share them), the ids fed, and whether they
-    were computed now."""
+    ctx: Context, engine_name: str, model: ModelRef, text: Text, spec: AttentionSpec,
+    precision: Policy | None = None,
+) -> tuple[AttentionRows, list[int], bool]:  # fmt: skip
+    """The engine's attention rows for the spec's queries, over a cache at ``precision``
+    (None: the engine's default), memoised per session: a parity check, an attention check
+    and a quantized one's full-precision read of the same text share them; the ids fed, and
+    whether they were computed now."""
     engine = ctx.engine(engine_name, model)
     if not isinstance(engine, ReadsAttention):
         raise KvguardError(f"engine '{engine_name}' cannot expose its attention probabilities")
     # One id more where a leading BOS may be dropped.
     raw = ctx.token_ids(engine_name, model, text, spec.tokens + (spec.bos == "drop"))
     ids = with_bos(raw, engine.bos_id, spec.bos)[: spec.tokens]
-    key = ("attention", engine_name, str(model.resolve()), text.sha256, tuple(ids), spec.queries)
+    label = "" if precision is None else precision.precision()
+    key = ("attention", engine_name, str(model.resolve()), text.sha256, tuple(ids), spec.queries,
+           label)  # fmt: skip
 
     def compute() -> AttentionRows:
         ctx.say(f"{engine_name}: reading attention of {len(spec.queries)} queries over "
-                f"{len(ids)} tokens")  # fmt: skip
-        rows: AttentionRows = engine.attention(ids, spec.queries)
+                f"{len(ids)} tokens{f' (KV {label})' if label else ''}")  # fmt: skip
+        rows: AttentionRows = (
+            engine.attention(ids, spec.queries)
+            if precision is None
+            else engine.attention(ids, spec.queries, precision)
+        )
         return rows
 
     rows, new = ctx.memo(key, compute)
@@ -265,7 +292,7 @@ def build_spec(fields: Fields) -> AttentionSpec:
                          p["recent"], p["bos"])  # fmt: skip
 
 
-PARAMS = (ATTENTION_TOKENS, QUERIES, SINK_SPAN, SINK_THRESHOLD, RECENT, BOS, TEXT)
+PARAMS = (ATTENTION_TOKENS, QUERIES, SINK_SPAN, SINK_THRESHOLD, RECENT, BOS, *KV_PRECISION, TEXT)
 
 
 class AttentionScenario(Scenario[AttentionSpec]):
@@ -275,14 +302,19 @@ class AttentionScenario(Scenario[AttentionSpec]):
         "layer, mass on the first k tokens and on the recent window"
     )
     params = PARAMS
-    budgets = ("min_sink_heads_pct", "max_sink_position", "min_sink_mass_pct")
+    budgets = (
+        "min_sink_heads_pct", "max_sink_position", "min_sink_mass_pct", "max_sink_mass_diff_pct",
+    )  # fmt: skip
     detail_type = AttentionDetail
     takes_policy = False
     no_policy = ("attention reads the full cache", "remove '{key}'")
 
     def build(self, fields: Fields) -> AttentionSpec:
         fields.policy_of("engine", "full")
-        return build_spec(fields)
+        return replace(build_spec(fields), precision=precision_of(fields))
+
+    def check_budgets(self, spec: AttentionSpec, budgets: Budgets) -> None:
+        check_diff_budget(spec.precision, budgets)
 
     def panels(self, outcome: Any) -> list[Panel]:
         note = f"sink token {outcome.detail.sink_token!r}"
@@ -291,21 +323,32 @@ class AttentionScenario(Scenario[AttentionSpec]):
     def run(self, ctx: Context, check: Check[AttentionSpec]) -> Measured:
         spec = check.spec
         text = load_text(spec.text, check.base_dir)
-        rows, ids, new = capture(ctx, check.engine, check.model, text, spec)
+        rows, ids, new = capture(ctx, check.engine, check.model, text, spec, spec.precision)
         metrics, arrays = sink_figures(rows.probs, spec.queries, spec.sinks,
                                        spec.sink_threshold, spec.recent)  # fmt: skip
         findings: list[str] = []
         findings += capture_findings(rows, metrics["max_row_sum_error"])
         if rows.reconstruction_error is not None:
             metrics["reconstruction_error_ratio"] = rows.reconstruction_error
+        seconds = rows.seconds if new else 0.0
+        unquantized_heads: list[list[float]] = []
+        if spec.precision is not None:
+            # The same engine's full-precision read of the same ids is the reference.
+            full, _, full_new = capture(ctx, check.engine, check.model, text, spec)
+            _, full_arrays = sink_figures(full.probs, spec.queries, spec.sinks,
+                                          spec.sink_threshold, spec.recent)  # fmt: skip
+            unquantized_heads = full_arrays["head_sink_mass"]
+            metrics.update(head_diff_figures(np.array(arrays["head_sink_mass"]),
+                                             np.array(unquantized_heads)))  # fmt: skip
+            seconds += full.seconds if full_new else 0.0
         engine = ctx.engine(check.engine, check.model)
         sink = ids[int(metrics["sink_position"])]
         return Measured(
-            policy="full",
+            policy="full" if spec.precision is None else spec.precision.describe(),
             tokens=spec.tokens,
             text=text,
             metrics=metrics,
-            seconds={check.engine: rows.seconds if new else 0.0},
+            seconds={check.engine: seconds},
             tokens_per_second=spec.tokens / rows.seconds if rows.seconds else 0.0,
             detail=AttentionDetail(
                 sink_token=engine.token_piece(sink)
@@ -315,21 +358,30 @@ class AttentionScenario(Scenario[AttentionSpec]):
                 queries=list(spec.queries),
                 **arrays,
                 how=rows.how,
+                unquantized_head_sink_mass=unquantized_heads,
             ),
             findings=findings,
         )
 
     def table(self, outcomes: Sequence[Any]) -> tuple[list[str], list[list[list[str]]]]:
         headers = ["tokens", "sink token", "sink heads", "mass on first k (1/4/8)", "recent"]
+        # Only a table with a quantized row has the comparison column (older quotes keep
+        # their shape).
+        quantized = any("sink_mass_unquantized_pct" in o.metrics for o in outcomes)
+        if quantized:
+            headers.append("vs unquantized")
         lines = []
         for o in outcomes:
             m, d = o.metrics, o.detail
             by_k = d.sink_mass_by_k
-            lines.append([[
+            line = [
                 str(o.tokens), f"#{m['sink_position']:.0f} {d.sink_token!r} "
                 f"({m['sink_position_mass_pct']:.1f}%)", f"{m['sink_heads_pct']:.1f}%",
                 f"{by_k[0]:.1%} / {by_k[3]:.1%} / {by_k[7]:.1%}", f"{m['recent_mass_pct']:.1f}%",
-            ]])  # fmt: skip
+            ]  # fmt: skip
+            if quantized:
+                line.append(against_unquantized(m))
+            lines.append([line])
         return headers, lines
 
 

@@ -19,10 +19,11 @@ from typing import TYPE_CHECKING, Any
 import llama_cpp as lc
 import numpy as np
 
-from pytest_kvguard.engines.llama_cpp.context import UBATCH
+from pytest_kvguard.engines.llama_cpp.context import GGML_TYPES, UBATCH
 from pytest_kvguard.engines.llama_log import captured_log, log_excerpt
 from pytest_kvguard.engines.protocols import AttentionRows
 from pytest_kvguard.errors import EngineError
+from pytest_kvguard.gate.policies import UNQUANTIZED_CACHE_TYPES
 
 if TYPE_CHECKING:
     from pytest_kvguard.engines.llama_cpp.engine import LlamaCppEngine
@@ -129,11 +130,11 @@ def token_axis(name: str) -> int:
 
 def capture(
     engine: LlamaCppEngine, token_ids: Sequence[int], rows: Sequence[int],
-    prefixes: Sequence[str] = (SOFTMAX,),
+    prefixes: Sequence[str] = (SOFTMAX,), type_k: str = "f16",
 ) -> dict[str, np.ndarray]:  # fmt: skip
-    """Decode ``token_ids`` into a fresh full context with flash attention off, and return the
-    tensors named ``{prefix}-{layer}`` at the token positions ``rows`` (in ascending order),
-    the rows of all batches joined along the token axis."""
+    """Decode ``token_ids`` into a fresh full context with flash attention off (its K cache of
+    ``type_k``), and return the tensors named ``{prefix}-{layer}`` at the token positions
+    ``rows`` (in ascending order), the rows of all batches joined along the token axis."""
     reader = _Reader(prefixes, rows)
     callback = lc.ggml_backend_sched_eval_callback(reader)
     params = lc.llama_context_default_params()
@@ -143,6 +144,9 @@ def capture(
     params.n_threads = params.n_threads_batch = engine.options.n_threads
     params.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_DISABLED  # else no kq_soft_max exists
     params.swa_full = True
+    # The keys are written to the cache before KQ reads them back, so a quantized K type is
+    # what every query's scores see, this batch's keys included.
+    params.type_k = GGML_TYPES[type_k]
     params.no_perf = True
     params.cb_eval = callback
     with captured_log():
@@ -179,12 +183,21 @@ def capture(
 
 
 def read_attention(
-    engine: LlamaCppEngine, token_ids: Sequence[int], queries: Sequence[int]
-) -> AttentionRows:
+    engine: LlamaCppEngine, token_ids: Sequence[int], queries: Sequence[int],
+    cache_types: tuple[str, str] = ("f16", "f16"),
+) -> AttentionRows:  # fmt: skip
     """Every layer's ``kq_soft_max`` rows for the query positions, as (layer, head, query,
-    key position)."""
+    key position), with the K cache of ``cache_types[0]``. A quantized V is refused: llama.cpp
+    quantizes V only under flash attention, which computes no ``kq_soft_max``."""
+    type_k, type_v = cache_types
+    if type_v not in UNQUANTIZED_CACHE_TYPES:
+        raise EngineError(
+            f"a {type_v} V cache needs flash attention, and llama.cpp computes no {SOFTMAX} "
+            "with it on, so its attention cannot be read",
+            fix="quantize K only here (cache_type_v: f16)",
+        )
     started = time.perf_counter()
-    tensors = capture(engine, token_ids, queries)
+    tensors = capture(engine, token_ids, queries, type_k=type_k)
     n_layers = lc.llama_model_n_layer(engine.model)
     missing = [i for i in range(n_layers) if f"{SOFTMAX}-{i}" not in tensors]
     if missing:
@@ -195,6 +208,7 @@ def read_attention(
     probs = np.stack([tensors[f"{SOFTMAX}-{i}"][0] for i in range(n_layers)])
     return AttentionRows(
         probs,
-        "llama.cpp kq_soft_max tensors via cb_eval, flash attention off",
+        "llama.cpp kq_soft_max tensors via cb_eval, flash attention off"
+        + (f", K cache {type_k}" if type_k != "f16" else ""),
         time.perf_counter() - started,
     )

@@ -85,9 +85,15 @@ class LlamaCppEngine:
     def token_piece(self, token_id: int) -> str:
         return gguf_vocab.token_piece(self.vocab, token_id)
 
-    def attention(self, token_ids: Sequence[int], queries: Sequence[int]) -> AttentionRows:
-        """llama.cpp's own ``kq_soft_max`` tensors for the query positions (``attention``)."""
-        return read_attention(self, token_ids, queries)
+    def attention(
+        self, token_ids: Sequence[int], queries: Sequence[int], precision: Policy | None = None
+    ) -> AttentionRows:
+        """llama.cpp's own ``kq_soft_max`` tensors for the query positions (``attention``), at
+        the precision's cache types."""
+        if precision is None:
+            return read_attention(self, token_ids, queries)
+        types = (precision.cache_type_k, precision.cache_type_v)
+        return read_attention(self, token_ids, queries, types)
 
     def open_stream(self, policy: Policy, max_tokens: int) -> LlamaCppStream:
         return LlamaCppStream(self, policy, max_tokens)

@@ -25,11 +25,13 @@ from typing import Any  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
+from mlx_lm.generate import maybe_quantize_kv_cache  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
 from pytest_kvguard.engines.mlx.caches import eval_caches  # noqa: E402
 from pytest_kvguard.engines.protocols import AttentionRows  # noqa: E402
 from pytest_kvguard.errors import EngineError  # noqa: E402
+from pytest_kvguard.gate.policies import Policy  # noqa: E402
 
 CHUNK = 512
 """Tokens per forward call while filling the cache (as llama.cpp's batch)."""
@@ -54,8 +56,13 @@ class _Recorder:
         """A layer passed learned sink logits (gpt-oss)."""
 
     def __call__(self, queries: Any, keys: Any, values: Any, *args: Any, **kwargs: Any) -> Any:
-        out = self.original(queries, keys, values, *args, **kwargs)
+        # mlx-lm's quantized path scales the queries in place (``queries *= scale``): it gets
+        # an array of its own, so these stay the ones the layer passed.
+        out = self.original(mx.array(queries), keys, values, *args, **kwargs)
         layer, self.layer = self.layer, self.layer + 1
+        cache = kwargs["cache"] if "cache" in kwargs else args[0]
+        if isinstance(keys, (tuple, list)):  # a QuantizedKVCache: packed data, scales, biases
+            keys, values = dequantized(keys, cache), dequantized(values, cache)
         n_queries, n_keys = queries.shape[2], keys.shape[2]
         first = n_keys - n_queries  # a full cache: key j is position j
         local = [r - first for r in self.rows if 0 <= r - first < n_queries]
@@ -78,6 +85,13 @@ class _Recorder:
         kept = np.pad(kept, [(0, 0), (0, 0), (0, self.width - kept.shape[-1])])
         self.probs.setdefault(layer, []).append(kept)
         return out
+
+
+def dequantized(packed: Sequence[Any], cache: Any) -> Any:
+    """The keys or values a ``QuantizedKVCache`` holds (packed data, scales, biases), as its
+    quantized matmuls read them."""
+    data, scales, biases = packed
+    return mx.dequantize(data, scales, biases, group_size=cache.group_size, bits=cache.bits)
 
 
 def attention_probs(
@@ -136,25 +150,43 @@ def _patched(module: Any, recorder: _Recorder) -> Iterator[None]:
         module.scaled_dot_product_attention = original
 
 
+def feed_spans(width: int, first_row: int, quantized: bool) -> list[tuple[int, int]]:
+    """The (start, end) of each forward call over positions 0 .. width - 1: ``CHUNK`` tokens
+    each; a quantized capture also starts a call at the first wanted row, so that every
+    wanted row attends over a cache mlx-lm has already quantized (as its decode steps do)."""
+    cuts = {*range(0, width, CHUNK), width}
+    if quantized and 0 < first_row < width:
+        cuts.add(first_row)
+    ends = sorted(cuts)
+    return list(zip(ends[:-1], ends[1:], strict=True))
+
+
 def capture(
-    model: Any, token_ids: Sequence[int], rows: Sequence[int]
+    model: Any, token_ids: Sequence[int], rows: Sequence[int], precision: Policy | None = None
 ) -> tuple[np.ndarray, float, bool]:
     """Feed ``token_ids`` up to the last wanted row through full ``KVCache``s, ``CHUNK`` tokens
     per call, and return the attention probabilities (layer, head, row, key position) of the
     rows ``rows`` (ascending), the largest reconstruction error (see the module doc) as a
     share of what the output's dtype allows (above 1: not the engine's attention), and whether
-    the model has learned sink logits."""
+    the model has learned sink logits. With a precision's ``kv_bits``, mlx-lm's own
+    ``maybe_quantize_kv_cache`` runs after each call, as ``generate_step`` runs it after each
+    step, so the wanted rows read quantized keys and values."""
     module = model_module(model)
     width = max(rows) + 1
     recorder = _Recorder(module.scaled_dot_product_attention, rows, width)
     n_layers = len(model.layers)
-    caches = [KVCache() for _ in range(n_layers)]
+    caches: list[Any] = [KVCache() for _ in range(n_layers)]
+    bits = None if precision is None else precision.kv_bits
     with _patched(module, recorder):
-        for start in range(0, width, CHUNK):
+        for start, end in feed_spans(width, min(rows), bits is not None):
             recorder.layer = 0
-            chunk = mx.array(list(token_ids[start : min(start + CHUNK, width)]))[None]
+            chunk = mx.array(list(token_ids[start:end]))[None]
             model(chunk, cache=caches)  # the logits are not needed: evaluate the caches only
             eval_caches(caches)
+            if precision is not None and bits is not None:
+                maybe_quantize_kv_cache(
+                    caches, precision.quantized_kv_start, precision.kv_group_size, bits
+                )
             if recorder.layer != n_layers:
                 raise EngineError(
                     f"{module.__name__}: {recorder.layer} attention calls for {n_layers} layers; "
@@ -164,13 +196,17 @@ def capture(
     return probs, recorder.worst_ratio, recorder.learned_sinks
 
 
-def read_attention(model: Any, token_ids: Sequence[int], queries: Sequence[int]) -> AttentionRows:
+def read_attention(
+    model: Any, token_ids: Sequence[int], queries: Sequence[int], precision: Policy | None = None
+) -> AttentionRows:
     """``capture`` as the Engine protocol's ``attention`` returns it."""
     started = time.perf_counter()
-    probs, error, learned_sinks = capture(model, token_ids, queries)
+    probs, error, learned_sinks = capture(model, token_ids, queries, precision)
+    bits = None if precision is None else precision.kv_bits
     return AttentionRows(
         probs,
-        "softmax(QK^T) of the arrays mlx-lm's layers pass to its fused attention",
+        "softmax(QK^T) of the arrays mlx-lm's layers pass to its fused attention"
+        + ("" if bits is None else f", keys and values dequantized from {bits} bits"),
         time.perf_counter() - started,
         reconstruction_error=error,
         learned_sinks=learned_sinks,

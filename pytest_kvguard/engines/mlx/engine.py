@@ -102,9 +102,12 @@ class MlxEngine:
     def token_piece(self, token_id: int) -> str:
         return str(self._piece(token_id))
 
-    def attention(self, token_ids: Sequence[int], queries: Sequence[int]) -> AttentionRows:
-        """The softmax of the queries and keys mlx-lm's layers pass (``attention``)."""
-        return read_attention(self.model, token_ids, queries)
+    def attention(
+        self, token_ids: Sequence[int], queries: Sequence[int], precision: Policy | None = None
+    ) -> AttentionRows:
+        """The softmax of the queries and keys mlx-lm's layers pass (``attention``), over a
+        cache quantized as the precision's ``kv_bits`` say."""
+        return read_attention(self.model, token_ids, queries, precision)
 
     def open_stream(self, policy: Policy, max_tokens: int) -> MlxStream:
         return MlxStream(self, policy)
