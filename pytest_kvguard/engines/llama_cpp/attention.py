@@ -142,7 +142,11 @@ def capture(
     params.n_batch = params.n_ubatch = UBATCH
     params.n_seq_max = 1
     params.n_threads = params.n_threads_batch = engine.options.n_threads
-    params.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_DISABLED  # else no kq_soft_max exists
+    # Flash attention off, else no kq_soft_max exists (releases before flash_attn_type: a bool).
+    if hasattr(lc, "LLAMA_FLASH_ATTN_TYPE_DISABLED"):
+        params.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    else:
+        params.flash_attn = False
     params.swa_full = True
     # The keys are written to the cache before KQ reads them back, so a quantized K type is
     # what every query's scores see, this batch's keys included.
