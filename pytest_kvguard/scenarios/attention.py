@@ -231,11 +231,7 @@ def capture(
     def compute() -> AttentionRows:
         ctx.say(f"{engine_name}: reading attention of {len(spec.queries)} queries over "
                 f"{len(ids)} tokens{f' (KV {label})' if label else ''}")  # fmt: skip
-        rows: AttentionRows = (
-            engine.attention(ids, spec.queries)
-            if precision is None
-            else engine.attention(ids, spec.queries, precision)
-        )
+        rows: AttentionRows = engine.attention(ids, spec.queries, precision)
         return rows
 
     rows, new = ctx.memo(key, compute)
@@ -338,8 +334,9 @@ class AttentionScenario(Scenario[AttentionSpec]):
             _, full_arrays = sink_figures(full.probs, spec.queries, spec.sinks,
                                           spec.sink_threshold, spec.recent)  # fmt: skip
             unquantized_heads = full_arrays["head_sink_mass"]
-            metrics.update(head_diff_figures(np.array(arrays["head_sink_mass"]),
-                                             np.array(unquantized_heads)))  # fmt: skip
+            full_heads = np.array(unquantized_heads)
+            metrics.update(head_diff_figures(full_heads, np.array(arrays["head_sink_mass"])))
+            metrics["sink_mass_unquantized_pct"] = float(full_heads.mean()) * 100.0
             seconds += full.seconds if full_new else 0.0
         engine = ctx.engine(check.engine, check.model)
         sink = ids[int(metrics["sink_position"])]

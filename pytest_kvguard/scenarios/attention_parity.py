@@ -23,6 +23,7 @@ from pytest_kvguard.scenarios.attention import (
     capture,
     capture_findings,
 )
+from pytest_kvguard.scenarios.attention_precision import head_diff_figures
 from pytest_kvguard.scenarios.base import (
     Check,
     Context,
@@ -82,8 +83,7 @@ class AttentionParityScenario(Scenario[AttentionSpec]):
             tokens=spec.tokens,
             text=text,
             metrics={
-                "sink_mass_diff_pct": float(np.abs(diff).max()) * 100.0,
-                "mean_sink_mass_diff_pct": float(np.abs(diff).mean()) * 100.0,
+                **head_diff_figures(masses[0], masses[1]),
                 "reference_sink_mass_pct": float(masses[0].mean()) * 100.0,
                 "other_sink_mass_pct": float(masses[1].mean()) * 100.0,
             },
