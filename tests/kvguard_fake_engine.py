@@ -104,7 +104,9 @@ class FakeEngine:
         pass
 
 
-def toy_attention(token_ids: Sequence[int], queries: Sequence[int]) -> AttentionRows:
+def toy_attention(
+    token_ids: Sequence[int], queries: Sequence[int], precision: object = None
+) -> AttentionRows:
     """2 layers x 2 heads: layer 0 spreads evenly over what each query sees; layer 1 puts 80%
     on token 0 and spreads the rest."""
     width = max(queries) + 1
