@@ -1,5 +1,5 @@
 """Checks of a gate run's JSON report, for a run pytest did not make itself: .ci/run runs the
-quick gate (README command 1) and the full bundled gate, then, for each,
+quick gate (README command 1) and .ci/nightly the full bundled gate, then, for each,
 
     pytest tests/check_gate_report.py --gate-report kvguard-report.json
 
