@@ -297,6 +297,8 @@ def test_command_line_side_by_side(tmp_path: Path, capsys: pytest.CaptureFixture
     assert table.splitlines()[0].split() == ["fact", str(before), str(after)]
     assert any(row.split() == ["KV", "heads", "2", "1"] for row in table.splitlines())
     assert diff.splitlines()[0] == "KV heads: 2 -> 1"
+    # Files with no tokenizer llama.cpp can load: their facts, and the chat left out, said so.
+    assert diff.splitlines()[-1].startswith("tutor chat, first 200 rendered tokens: not compared")
     assert main([str(before), str(before), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["differences"] == [] and report["model"]["kv_heads"] == 2
@@ -315,3 +317,18 @@ def test_command_line_bad_input_is_one_line_and_exit_2(tmp_path: Path, bad: str)
     assert done.returncode == 2 and done.stdout == ""
     assert len(done.stderr.splitlines()) == 1 and done.stderr.startswith("error: ")
     assert bad in done.stderr and "(fix: " in done.stderr
+
+
+def test_the_bundled_chat_rendered_by_each_bundled_model() -> None:
+    pytest.importorskip("llama_cpp")
+    from pytest_kvguard.cli.model_facts import chat_token_line, model_path
+
+    smol = read_model_facts(model_path("smollm2-135m"))
+    gemma = read_model_facts(model_path("gemma3-270m"))
+    assert chat_token_line(smol, smol) == "tutor chat, first 200 rendered tokens: the same"
+    # SmolLM2 adds no BOS and its ChatML markers are tokenized as text (kvguard parses no
+    # special tokens); Gemma's built-in template starts with <bos>, added by its tokenizer.
+    line = chat_token_line(smol, gemma, 50)
+    assert line is not None and line.startswith("tutor chat, first 50 rendered tokens: ")
+    assert line.endswith("the first at token 0: '<' -> '<bos>'")
+    assert chat_token_line(smol, gemma, 0) is None
