@@ -332,3 +332,19 @@ def test_the_bundled_chat_rendered_by_each_bundled_model() -> None:
     assert line is not None and line.startswith("tutor chat, first 50 rendered tokens: ")
     assert line.endswith("the first at token 0: '<' -> '<bos>'")
     assert chat_token_line(smol, gemma, 0) is None
+
+
+def test_files_of_an_unexpected_shape_are_facts_unknown_or_one_line(tmp_path: Path) -> None:
+    from gguf import GGUFWriter
+
+    odd = {"text_config": "oops", "rope_scaling": [8], "num_hidden_layers": "six"}
+    folder = write_folder(tmp_path / "odd", odd, {"added_tokens_decoder": [], "chat_template": 5})
+    facts = read_model_facts(folder)
+    assert (facts.layers, facts.rope_scaling, facts.chat_template) == (None, "none", "none")
+    writer = GGUFWriter(str(tmp_path / "odd.gguf"), "llama")
+    writer.add_string("llama.block_count", "six")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    with pytest.raises(KvguardError, match=r"odd.gguf: GGUF metadata llama.block_count is 'six'"):
+        read_model_facts(tmp_path / "odd.gguf")

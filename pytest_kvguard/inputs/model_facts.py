@@ -174,9 +174,17 @@ def _gguf_facts(header: GgufHeader) -> ModelFacts:
 
     def number(key: str) -> int | None:
         value = header.field(f"{arch}.{key}")
-        if isinstance(value, list):  # per-layer arrays (KV heads may vary by layer)
-            return int(max(value)) if value else None
-        return None if value is None else int(value)
+        if isinstance(value, list) and value:  # per-layer arrays (KV heads may vary by layer)
+            value = max(value)
+        if value is None:
+            return None
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise KvguardError(
+                f"GGUF metadata {arch}.{key} is {value!r}, not a number",
+                path=header.path,
+                fix="re-export the model with llama.cpp's convert_hf_to_gguf.py",
+            )
+        return int(value)
 
     layers, heads = number("block_count"), number("attention.head_count")
     embedding = number("embedding_length")
@@ -207,7 +215,7 @@ def _gguf_facts(header: GgufHeader) -> ModelFacts:
         attention_heads=heads,
         kv_heads=number("attention.head_count_kv") or heads,
         head_size=head_size_text(head_k, head_v),
-        rope_base=None if base is None else float(base),
+        rope_base=float(base) if isinstance(base, int | float) else None,
         rope_scaling=rope_scaling_text(scaling, factor)
         if scaling not in (None, "none")
         else "none",
@@ -228,7 +236,9 @@ def _gguf_swa(
         return tuple(bool(p) for p in pattern)
     if isinstance(pattern, int) and window:  # every pattern-th layer is global
         return tuple((i + 1) % pattern != 0 for i in range(layers))
-    return _swa_layers(arch, layers, window)  # llama.cpp's own pattern for the architecture
+    # No pattern key: llama.cpp's pattern for Gemma 3, and for other architectures kvguard's
+    # reading (a window slides every layer).
+    return _swa_layers(arch, layers, window)
 
 
 def _token_text(header: GgufHeader, token: Any) -> str | None:

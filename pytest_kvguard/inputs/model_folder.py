@@ -19,7 +19,7 @@ def folder_facts(folder: Path) -> dict[str, Any]:
         folder / "config.json",
         required="give the folder mlx_lm.convert or save_pretrained wrote, with its config.json",
     )
-    text = config.get("text_config") or config  # a multimodal config nests the text model
+    text = _dict(config.get("text_config")) or config  # a multimodal config nests the text model
     tokenizer_config = _json(folder / "tokenizer_config.json")
     tokenizer = _json(folder / "tokenizer.json")
     if not tokenizer_config and not tokenizer:
@@ -43,10 +43,10 @@ def folder_facts(folder: Path) -> dict[str, Any]:
     swa = _folder_swa(text, layers, window)
     if swa is not None and not any(swa):
         window = None
-    scaling = text.get("rope_scaling") or {}
+    scaling = _dict(text.get("rope_scaling"))
     template = tokenizer_config.get("chat_template")
     if template is None and (folder / "chat_template.jinja").is_file():
-        template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+        template = (folder / "chat_template.jinja").read_bytes()
     sha256, sha256_of = _weights_sha256(folder)
     return dict(
         architecture=_str(text.get("model_type") or config.get("model_type")),
@@ -98,9 +98,10 @@ def _json(path: Path, required: str | None = None) -> dict[str, Any]:
 def _special_ids(tokenizer_config: dict[str, Any], tokenizer: dict[str, Any]) -> dict[str, int]:
     """Special token text -> id, from tokenizer_config's added_tokens_decoder and
     tokenizer.json's added_tokens."""
-    ids = {str(t.get("content")): int(t["id"]) for t in tokenizer.get("added_tokens") or []
-           if isinstance(t, dict) and "id" in t}  # fmt: skip
-    for key, token in (tokenizer_config.get("added_tokens_decoder") or {}).items():
+    added = tokenizer.get("added_tokens")
+    ids = {str(t.get("content")): t["id"] for t in added if isinstance(t, dict)
+           and isinstance(t.get("id"), int)} if isinstance(added, list) else {}  # fmt: skip
+    for key, token in _dict(tokenizer_config.get("added_tokens_decoder")).items():
         if isinstance(token, dict) and str(key).isdigit():
             ids[str(token.get("content"))] = int(key)
     return ids
@@ -111,12 +112,12 @@ def _adds_bos(tokenizer_config: dict[str, Any], tokenizer: dict[str, Any]) -> bo
     template puts a special token first (how Llama 3 adds BOS)."""
     if isinstance(tokenizer_config.get("add_bos_token"), bool):
         return bool(tokenizer_config["add_bos_token"])
-    processor = tokenizer.get("post_processor") or {}
+    processor = _dict(tokenizer.get("post_processor"))
     steps = processor.get("processors") if processor.get("type") == "Sequence" else [processor]
     for step in steps or []:
         if isinstance(step, dict) and step.get("type") == "TemplateProcessing":
-            single = step.get("single") or []
-            return bool(single) and "SpecialToken" in single[0]
+            single = step.get("single")
+            return isinstance(single, list) and bool(single) and "SpecialToken" in _dict(single[0])
     return None
 
 
@@ -176,9 +177,11 @@ def sliding_layers_text(swa: tuple[bool, ...] | None) -> str | None:
 def template_hash(template: Any) -> str | None:
     if isinstance(template, list):  # tokenizer_config may list named templates
         template = json.dumps(template, sort_keys=True)
-    if not isinstance(template, str) or not template:
+    if isinstance(template, str):
+        template = template.encode("utf-8")
+    if not isinstance(template, bytes) or not template:
         return None
-    return hashlib.sha256(template.encode("utf-8")).hexdigest()[:12]
+    return hashlib.sha256(template).hexdigest()[:12]
 
 
 def head_size_text(k: int | None, v: int | None) -> int | str | None:
@@ -195,6 +198,12 @@ def _token_content(token: Any) -> str | None:
     if isinstance(token, dict):  # {"content": "<s>", "lstrip": false, ...}
         token = token.get("content")
     return token if isinstance(token, str) else None
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    """``value`` where it is a JSON object, else {} (a file of an unexpected shape reads as
+    facts unknown, not as a traceback)."""
+    return value if isinstance(value, dict) else {}
 
 
 def as_bool(value: Any) -> bool | None:
