@@ -3,6 +3,7 @@ metadata, and kvguard-model-facts' output and exit codes (no weights loaded, no 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -213,7 +214,8 @@ def test_an_mlx_folders_facts(tmp_path: Path) -> None:
         2,
         "<bos>",
     )
-    assert (facts.eos_id, facts.eos_text) == ("1, 106", "<eos>")
+    # The EOS text's own id (tokenizer_config maps <eos> to 1), not config.json's list.
+    assert (facts.eos_id, facts.eos_text) == ("1", "<eos>")
     assert (facts.sliding_window, facts.sliding_layers) == (512, "5 of 6 (full: 5)")
     assert (facts.rope_base, facts.rope_scaling, facts.context_length) == (1e6, "linear x8", 32768)
     assert facts.weight_type == "4-bit, group 64"
@@ -297,13 +299,39 @@ def test_command_line_side_by_side(tmp_path: Path, capsys: pytest.CaptureFixture
     assert table.splitlines()[0].split() == ["fact", str(before), str(after)]
     assert any(row.split() == ["KV", "heads", "2", "1"] for row in table.splitlines())
     assert diff.splitlines()[0] == "KV heads: 2 -> 1"
-    # Files with no tokenizer llama.cpp can load: their facts, and the chat left out, said so.
-    assert diff.splitlines()[-1].startswith("tutor chat, first 200 rendered tokens: not compared")
     assert main([str(before), str(before), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["differences"] == [] and report["model"]["kv_heads"] == 2
     assert main([str(before)]) == 0
     assert "no cache-relevant" not in capsys.readouterr().out  # one model: no diff
+
+
+@pytest.mark.llama_cpp
+def test_files_llama_cpp_cannot_tokenize_leave_the_chat_out_said_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    before, after = write_model(tmp_path / "a.gguf"), write_model(tmp_path / "b.gguf", kv_heads=1)
+    assert main([str(before), str(after)]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith("tutor chat, first 200 rendered tokens: not compared")
+
+
+def test_a_llama_cpp_that_does_not_load_is_said_not_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import types
+
+    from pytest_kvguard.cli.model_facts import chat_token_line
+
+    def broken(name: str) -> None:
+        raise RuntimeError("Failed to load shared library 'libllama.so'")
+
+    vocab = types.ModuleType("pytest_kvguard.engines.gguf_vocab")
+    vocab.__getattr__ = broken  # type: ignore[method-assign]
+    monkeypatch.setitem(sys.modules, "pytest_kvguard.engines.gguf_vocab", vocab)
+    a = read_model_facts(write_model(tmp_path / "a.gguf"))
+    line = chat_token_line(a, a)
+    assert line is not None and "not compared (llama-cpp-python does not load: " in line
 
 
 @pytest.mark.parametrize("bad", ["missing.gguf", "not-a-model.txt", "org/model"])
@@ -319,8 +347,8 @@ def test_command_line_bad_input_is_one_line_and_exit_2(tmp_path: Path, bad: str)
     assert bad in done.stderr and "(fix: " in done.stderr
 
 
+@pytest.mark.llama_cpp
 def test_the_bundled_chat_rendered_by_each_bundled_model() -> None:
-    pytest.importorskip("llama_cpp")
     from pytest_kvguard.cli.model_facts import chat_token_line, model_path
 
     smol = read_model_facts(model_path("smollm2-135m"))
@@ -348,3 +376,141 @@ def test_files_of_an_unexpected_shape_are_facts_unknown_or_one_line(tmp_path: Pa
     writer.close()
     with pytest.raises(KvguardError, match=r"odd.gguf: GGUF metadata llama.block_count is 'six'"):
         read_model_facts(tmp_path / "odd.gguf")
+
+
+def test_pattern_0_slides_every_layer_and_a_negative_one_is_one_line(tmp_path: Path) -> None:
+    from gguf import GGUFWriter
+
+    # llama.cpp: a period of 0 means every layer slides (no global layer).
+    zero = read_model_facts(write_model(tmp_path / "z.gguf", "gemma3", layers=4, window=64,
+                                        pattern=0))  # fmt: skip
+    assert (zero.sliding_window, zero.sliding_layers) == (64, "4 of 4")
+    writer = GGUFWriter(str(tmp_path / "neg.gguf"), "gemma3")
+    writer.add_block_count(4)
+    writer.add_head_count(4)
+    writer.add_embedding_length(64)
+    writer.add_sliding_window(64)
+    writer.add_int32("gemma3.attention.sliding_window_pattern", -2)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    with pytest.raises(KvguardError, match=r"neg.gguf: GGUF metadata gemma3.attention.slid"
+                       r"ing_window_pattern is -2, not a layer period") as raised:  # fmt: skip
+        read_model_facts(tmp_path / "neg.gguf")
+    assert "\n" not in str(raised.value)
+
+
+def test_a_token_that_is_not_utf8_is_one_line_naming_the_file(tmp_path: Path) -> None:
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(tmp_path / "bytes.gguf"), "llama")
+    writer.add_block_count(2)
+    writer.add_head_count(2)
+    writer.add_embedding_length(32)
+    writer.add_token_list([b"<unk>", b"\xff\xfe", b"</s>"])
+    writer.add_bos_token_id(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    with pytest.raises(
+        KvguardError, match=r"bytes.gguf: .*tokenizer.ggml.tokens\[1\] is not UTF-8"
+    ):
+        read_model_facts(tmp_path / "bytes.gguf")
+
+
+def test_gguf_facts_and_read_arch_read_one_sliding_pattern(tmp_path: Path) -> None:
+    from pytest_kvguard.inputs.models import read_arch
+
+    for arch, layers, full in [("gemma3", 12, [5, 11]), ("gemma2", 4, [1, 3]),
+                               ("cohere2", 8, [3, 7])]:  # fmt: skip
+        path = write_model(tmp_path / f"{arch}.gguf", arch, layers=layers, window=128)
+        swa = read_arch(path).swa_layers
+        assert [i for i, slides in enumerate(swa) if not slides] == full
+        assert read_model_facts(path).sliding_layers == (
+            f"{layers - len(full)} of {layers} (full: {', '.join(map(str, full))})"
+        )
+    # The file's own pattern key wins over the architecture's period, in both.
+    keyed = write_model(tmp_path / "keyed.gguf", "gemma3", layers=4, window=128, pattern=2)
+    assert read_arch(keyed).swa_layers == (True, False, True, False)
+    assert read_model_facts(keyed).sliding_layers == "2 of 4 (full: 1, 3)"
+    # A pattern of 1: every layer global, so no window either.
+    ones = write_model(tmp_path / "ones.gguf", "gemma3", layers=4, window=128, pattern=1)
+    assert (read_arch(ones).sliding_window, read_arch(ones).swa_layers) == (None, (False,) * 4)
+    facts = read_model_facts(ones)
+    assert (facts.sliding_window, facts.sliding_layers) == ("none", "none")
+
+
+def test_the_bundled_models_read_arch_is_unchanged() -> None:
+    """read_arch drives the gate's memory predictions: the bundled models' layouts."""
+    from pytest_kvguard.cli.model_facts import model_path
+    from pytest_kvguard.inputs.models import read_arch
+
+    smol, gemma = read_arch(model_path("smollm2-135m")), read_arch(model_path("gemma3-270m"))
+    assert (smol.sliding_window, smol.swa_layers) == (None, (False,) * 30)
+    assert gemma.sliding_window == 512 and len(gemma.swa_layers) == 18
+    assert [i for i, slides in enumerate(gemma.swa_layers) if not slides] == [5, 11, 17]
+
+
+BASE = {"num_hidden_layers": 4, "num_attention_heads": 4, "hidden_size": 64}
+
+
+@pytest.mark.parametrize(
+    ("config", "window", "layers"),
+    [
+        # layer_types wins, whatever the rest says.
+        ({"model_type": "qwen2", "sliding_window": 64, "layer_types": ["full_attention",
+          "sliding_attention", "sliding_attention", "full_attention"]}, 64, "2 of 4 (full: 0, 3)"),
+        # Qwen2: use_sliding_window false (or left out) slides nothing; true, from
+        # max_window_layers on.
+        ({"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": False,
+          "max_window_layers": 2}, "none", "none"),
+        ({"model_type": "qwen2", "sliding_window": 64, "max_window_layers": 2}, "none", "none"),
+        ({"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True,
+          "max_window_layers": 2}, 64, "2 of 4 (full: 0, 1)"),
+        # transformers' periods where the config names none.
+        ({"model_type": "gemma2", "sliding_window": 64}, 64, "2 of 4 (full: 1, 3)"),
+        ({"model_type": "cohere2", "sliding_window": 64}, 64, "3 of 4 (full: 3)"),
+        ({"model_type": "gemma3_text", "sliding_window": 64}, 64, "4 of 4"),
+        ({"model_type": "mistral", "sliding_window": 64}, 64, "4 of 4"),
+        # A window and nothing that says which layers slide: unknown, not "all".
+        ({"model_type": "llama", "sliding_window": 64}, 64, "unknown"),
+        # Layers that slide with no window given: the window unknown, not "none".
+        ({"model_type": "llama", "layer_types": ["sliding_attention", "full_attention"]},
+         None, "1 of 2 (full: 1)"),
+    ],
+)  # fmt: skip
+def test_which_folder_layers_slide(
+    tmp_path: Path, config: dict[str, Any], window: Any, layers: str
+) -> None:
+    facts = read_model_facts(write_folder(tmp_path / "m", BASE | config, MLX_TOKENIZER))
+    assert (facts.sliding_window, facts.sliding_layers) == (window, layers)
+
+
+def test_a_gemma3_multimodal_folder_takes_gemma3_text_defaults(tmp_path: Path) -> None:
+    # google/gemma-3-4b-it's config.json: text_config lists only what differs from
+    # transformers' Gemma3TextConfig (8 heads, 4 KV heads, head_dim 256, every 6th layer
+    # global, rope_theta 1e6).
+    config = {"model_type": "gemma3", "text_config": {
+        "hidden_size": 2560, "num_hidden_layers": 34, "sliding_window": 1024,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0}}}  # fmt: skip
+    facts = read_model_facts(write_folder(tmp_path / "g", config, MLX_TOKENIZER))
+    assert (facts.architecture, facts.attention_heads, facts.kv_heads, facts.head_size) == (
+        "gemma3_text", 8, 4, 256,
+    )  # fmt: skip
+    assert (facts.sliding_window, facts.rope_base) == (1024, 1e6)
+    assert facts.sliding_layers == "29 of 34 (full: 5, 11, 17, 23, 29)"
+    if importlib.util.find_spec("transformers") is None:
+        return
+    from transformers import Gemma3TextConfig  # the defaults kvguard copied, still these
+
+    defaults = Gemma3TextConfig()
+    assert (defaults.num_attention_heads, defaults.num_key_value_heads, defaults.head_dim) == (
+        8, 4, 256,
+    )  # fmt: skip
+
+
+def test_the_eos_id_is_the_eos_texts_own(tmp_path: Path) -> None:
+    folder = write_folder(tmp_path / "m", BASE | {"eos_token_id": 106}, MLX_TOKENIZER)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [106, 1]}))
+    facts = read_model_facts(folder)
+    assert (facts.eos_id, facts.eos_text) == ("1", "<eos>")

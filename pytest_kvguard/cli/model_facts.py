@@ -90,13 +90,15 @@ def chat_token_line(before: ModelFacts, after: ModelFacts, count: int = CHAT_TOK
     paths = (before.path, after.path)
     if count <= 0 or not all(p.is_file() for p in paths):
         return None
+    from pytest_kvguard.inputs.chats import DEFAULT_CHAT, history, load_conversation
+
+    label = f"{DEFAULT_CHAT} chat, first {count} rendered tokens"
     try:
         from pytest_kvguard.engines.gguf_vocab import GgufVocab
     except ImportError:  # llama-cpp-python is optional
         return None
-    from pytest_kvguard.inputs.chats import DEFAULT_CHAT, history, load_conversation
-
-    label = f"{DEFAULT_CHAT} chat, first {count} rendered tokens"
+    except (RuntimeError, OSError) as exc:  # installed, but its library does not load
+        return f"{label}: not compared (llama-cpp-python does not load: {exc})"
     messages = history(load_conversation(DEFAULT_CHAT, Path.cwd()))
     pieces = []
     try:

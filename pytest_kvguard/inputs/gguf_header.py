@@ -73,7 +73,14 @@ class GgufHeader:
             cursor.at = strings.offset
             for _ in range(index):
                 cursor.skip(cursor.unpack("<Q"))
-            return cursor.string()
+            try:
+                return cursor.string()
+            except UnicodeDecodeError as exc:
+                raise KvguardError(
+                    f"GGUF metadata {key}[{index}] is not UTF-8 text ({exc.reason})",
+                    path=self.path,
+                    fix="re-export the model with llama.cpp's convert_hf_to_gguf.py",
+                ) from None
 
     def tensor_bytes(self, tensor: TensorInfo) -> np.ndarray:
         """The tensor's raw bytes, memory-mapped (flat uint8)."""

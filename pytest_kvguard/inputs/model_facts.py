@@ -20,10 +20,10 @@ from pytest_kvguard.inputs.model_folder import (
     folder_facts,
     head_size_text,
     rope_scaling_text,
-    sliding_layers_text,
+    sliding_facts,
     template_hash,
 )
-from pytest_kvguard.inputs.models import BUILTIN_CHAT_TEMPLATES, _swa_layers, file_sha256
+from pytest_kvguard.inputs.models import BUILTIN_CHAT_TEMPLATES, file_sha256, gguf_swa_layers
 
 Fact = int | float | bool | str | None
 
@@ -46,9 +46,10 @@ class ModelFacts:
     """First 12 hex digits of the template's sha256, or ``none`` (with the built-in template
     llama.cpp falls back to, where it has one)."""
     sliding_window: int | str | None = None
-    """Window of the sliding layers, or ``none`` for full attention everywhere."""
+    """Window of the sliding layers, or ``none`` where no layer slides."""
     sliding_layers: str | None = None
-    """How many layers slide and which do not (``15 of 18 (full: 5, 11, 17)``), or ``none``."""
+    """How many layers slide and which do not (``15 of 18 (full: 5, 11, 17)``), ``none``, or
+    ``unknown`` (a window whose layers the config does not say)."""
     layers: int | None = None
     attention_heads: int | None = None
     kv_heads: int | None = None
@@ -194,7 +195,7 @@ def _gguf_facts(header: GgufHeader) -> ModelFacts:
         header.field("tokenizer.ggml.bos_token_id"),
         header.field("tokenizer.ggml.eos_token_id"),
     )
-    window = number("attention.sliding_window")
+    window, sliding = sliding_facts(number("attention.sliding_window"), gguf_swa_layers(header))
     base = header.field(f"{arch}.rope.freq_base")
     scaling = header.field(f"{arch}.rope.scaling.type")
     factor = header.field(f"{arch}.rope.scaling.factor")
@@ -209,8 +210,8 @@ def _gguf_facts(header: GgufHeader) -> ModelFacts:
         eos_text=_token_text(header, eos),
         chat_template=template_hash(header.field("tokenizer.chat_template"))
         or _none_or_builtin(arch),
-        sliding_window=window or "none",
-        sliding_layers=sliding_layers_text(_gguf_swa(header, arch, layers, window)),
+        sliding_window=window,
+        sliding_layers=sliding,
         layers=layers,
         attention_heads=heads,
         kv_heads=number("attention.head_count_kv") or heads,
@@ -224,21 +225,6 @@ def _gguf_facts(header: GgufHeader) -> ModelFacts:
         sha256=file_sha256(header.path),
         sha256_of="the file",
     )
-
-
-def _gguf_swa(
-    header: GgufHeader, arch: str, layers: int | None, window: int | None
-) -> tuple[bool, ...] | None:
-    if layers is None:
-        return None
-    pattern = header.field(f"{arch}.attention.sliding_window_pattern")
-    if isinstance(pattern, list):  # newer exports: one flag per layer
-        return tuple(bool(p) for p in pattern)
-    if isinstance(pattern, int) and window:  # every pattern-th layer is global
-        return tuple((i + 1) % pattern != 0 for i in range(layers))
-    # No pattern key: llama.cpp's pattern for Gemma 3, and for other architectures kvguard's
-    # reading (a window slides every layer).
-    return _swa_layers(arch, layers, window)
 
 
 def _token_text(header: GgufHeader, token: Any) -> str | None:

@@ -19,7 +19,7 @@ def folder_facts(folder: Path) -> dict[str, Any]:
         folder / "config.json",
         required="give the folder mlx_lm.convert or save_pretrained wrote, with its config.json",
     )
-    text = _dict(config.get("text_config")) or config  # a multimodal config nests the text model
+    text = text_config(config)
     tokenizer_config = _json(folder / "tokenizer_config.json")
     tokenizer = _json(folder / "tokenizer.json")
     if not tokenizer_config and not tokenizer:
@@ -34,15 +34,13 @@ def folder_facts(folder: Path) -> dict[str, Any]:
     eos_text = _token_content(tokenizer_config.get("eos_token"))
     bos_id = _first_int(ids.get(bos_text or ""), generation.get("bos_token_id"),
                         text.get("bos_token_id"), config.get("bos_token_id"))  # fmt: skip
-    eos = _first(generation.get("eos_token_id"), text.get("eos_token_id"),
-                 config.get("eos_token_id"), ids.get(eos_text or ""))  # fmt: skip
+    # The EOS text's own id where the tokenizer maps it, so id and text name one token.
+    eos = _first(ids.get(eos_text or ""), generation.get("eos_token_id"),
+                 text.get("eos_token_id"), config.get("eos_token_id"))  # fmt: skip
     layers, heads = _int(text.get("num_hidden_layers")), _int(text.get("num_attention_heads"))
     hidden = _int(text.get("hidden_size"))
     head = _int(text.get("head_dim")) or (hidden // heads if hidden and heads else None)
-    window = _int(text.get("sliding_window"))
-    swa = _folder_swa(text, layers, window)
-    if swa is not None and not any(swa):
-        window = None
+    window, sliding = sliding_facts(_int(text.get("sliding_window")), config_swa_layers(text))
     scaling = _dict(text.get("rope_scaling"))
     template = tokenizer_config.get("chat_template")
     if template is None and (folder / "chat_template.jinja").is_file():
@@ -59,8 +57,8 @@ def folder_facts(folder: Path) -> dict[str, Any]:
         else ", ".join(map(str, eos if isinstance(eos, list) else [eos])),
         eos_text=eos_text,
         chat_template=template_hash(template) or "none",
-        sliding_window=window or "none",
-        sliding_layers=sliding_layers_text(swa),
+        sliding_window=window,
+        sliding_layers=sliding,
         layers=layers,
         attention_heads=heads,
         kv_heads=_int(text.get("num_key_value_heads")) or heads,
@@ -121,21 +119,6 @@ def _adds_bos(tokenizer_config: dict[str, Any], tokenizer: dict[str, Any]) -> bo
     return None
 
 
-def _folder_swa(
-    text: dict[str, Any], layers: int | None, window: int | None
-) -> tuple[bool, ...] | None:
-    layer_types = text.get("layer_types")
-    if isinstance(layer_types, list):
-        return tuple(kind == "sliding_attention" for kind in layer_types)
-    if layers is None:
-        return None
-    pattern = _int(text.get("sliding_window_pattern"))
-    if window and pattern:
-        return tuple((i + 1) % pattern != 0 for i in range(layers))
-    # A window with no per-layer pattern slides everywhere (Mistral-style); none: full.
-    return (bool(window),) * layers
-
-
 def _folder_weight_type(config: dict[str, Any]) -> str | None:
     quantization = config.get("quantization") or config.get("quantization_config")
     if isinstance(quantization, dict) and quantization.get("bits"):
@@ -162,12 +145,78 @@ def _weights_sha256(folder: Path) -> tuple[str | None, str]:
     return digest.hexdigest(), f"{len(files)} weight file{'s' * (len(files) > 1)} ({names})"
 
 
+# Shared with kvguard-capacity (a config.json's text model and which of its layers slide)
+
+GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
+    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+    "head_dim": 256, "sliding_window": 4096, "sliding_window_pattern": 6,
+    "rope_theta": 1_000_000.0, "max_position_embeddings": 131_072,
+}  # fmt: skip
+"""transformers' ``Gemma3TextConfig`` defaults (5.x; the same in 4.5x), which a Gemma 3
+multimodal config.json's ``text_config`` leaves out: it lists only values that differ."""
+SLIDING_PERIODS = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6, "cohere2": 4}
+"""Every how-many-th layer is global, by model_type, where a config has neither
+``layer_types`` nor ``sliding_window_pattern`` (transformers' defaults for these)."""
+EVERY_LAYER_SLIDES = {"mistral", "mixtral"}
+"""model_types whose window applies to every layer."""
+SLIDING_OFF_BY_DEFAULT = {"qwen2", "qwen2_moe", "qwen3", "qwen3_moe"}
+"""model_types whose ``use_sliding_window`` is false unless the config says otherwise."""
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The text model's settings: a multimodal config's ``text_config`` (its model_type
+    filled in, and for Gemma 3 transformers' defaults for the values it leaves out), else the
+    config itself."""
+    nested = config.get("text_config")
+    if not isinstance(nested, dict):
+        return config
+    text = dict(nested)
+    if "model_type" not in text and config.get("model_type") == "gemma3":
+        text["model_type"] = "gemma3_text"
+    if text.get("model_type") == "gemma3_text":
+        text = GEMMA3_TEXT_DEFAULTS | text
+    return text
+
+
+def config_swa_layers(text: dict[str, Any]) -> tuple[bool, ...] | None:
+    """Per layer of a (text) config: does it slide? None where the config does not say:
+    a window with no ``layer_types``, pattern or known model_type, or no layer count."""
+    layer_types = text.get("layer_types")
+    if isinstance(layer_types, list):
+        return tuple(kind == "sliding_attention" for kind in layer_types)
+    layers, window = _int(text.get("num_hidden_layers")), _int(text.get("sliding_window"))
+    if layers is None:
+        return None
+    model_type = _str(text.get("model_type"))
+    use = text.get("use_sliding_window", False if model_type in SLIDING_OFF_BY_DEFAULT else None)
+    if not window or use is False:
+        return (False,) * layers
+    first = _int(text.get("max_window_layers"))
+    if use is True and first is not None:  # Qwen2: layers from max_window_layers on slide
+        return tuple(i >= first for i in range(layers))
+    pattern = _int(text.get("sliding_window_pattern")) or SLIDING_PERIODS.get(model_type or "")
+    if pattern and pattern > 0:  # every pattern-th layer is global
+        return tuple((i + 1) % pattern != 0 for i in range(layers))
+    if model_type in EVERY_LAYER_SLIDES:
+        return (True,) * layers
+    return None
+
+
 # Shared with the GGUF reader
 
 
-def sliding_layers_text(swa: tuple[bool, ...] | None) -> str | None:
+def sliding_facts(window: int | None, swa: tuple[bool, ...] | None) -> tuple[int | str | None, str]:
+    """The sliding window and sliding layers as shown, consistent with each other: both
+    ``none`` where no layer slides; ``unknown`` layers beside a window whose layers are not
+    known; an unknown window (None) beside layers that slide with no window given."""
     if swa is None:
-        return None
+        return (window, "unknown") if window else ("none", "none")
+    if not any(swa):
+        return "none", "none"
+    return window, sliding_layers_text(swa)
+
+
+def sliding_layers_text(swa: tuple[bool, ...]) -> str:
     if not any(swa):
         return "none"
     full = [str(i) for i, slides in enumerate(swa) if not slides]
