@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from pytest_kvguard.cli.capacity import arch_from_config, capacity_table, main, predict_kv_bytes
+from pytest_kvguard.errors import KvguardError
 
 CONFIG = Path(__file__).parent.parent / "fixtures" / "gemma-3-270m.config.json"
 
@@ -91,3 +93,21 @@ def test_the_calculator_takes_llama_cpps_cache_types(capsys: pytest.CaptureFixtu
     out = capsys.readouterr().out
     assert "K q8_0, V q8_0: 9,792 B/token" in out
     assert "4096       38.25 MiB" in out
+
+
+def test_config_json_shares_the_folder_readers_sliding_layout(tmp_path: Path) -> None:
+    """One reader (model_folder.config_swa_layers) for kvguard-capacity and model facts."""
+    base = {"num_hidden_layers": 4, "num_attention_heads": 4, "hidden_size": 64}
+    config = tmp_path / "config.json"
+    # Qwen2 with use_sliding_window false: full attention, however wide its window.
+    config.write_text(json.dumps(base | {"model_type": "qwen2", "sliding_window": 64,
+                                         "use_sliding_window": False}))  # fmt: skip
+    arch = arch_from_config(config)
+    assert (arch.sliding_window, arch.swa_layers) == (None, (False,) * 4)
+    # Gemma 2: transformers' period of 2 where the config names none (was: every layer).
+    config.write_text(json.dumps(base | {"model_type": "gemma2", "sliding_window": 64}))
+    assert arch_from_config(config).swa_layers == (True, False, True, False)
+    # A window whose layers nothing says: one line, not a guess.
+    config.write_text(json.dumps(base | {"model_type": "llama", "sliding_window": 64}))
+    with pytest.raises(KvguardError, match="which layers of this llama model slide"):
+        arch_from_config(config)

@@ -106,3 +106,12 @@ def test_a_truncated_copy_of_a_real_header_is_refused(tmp_path: Path) -> None:
     cut.write_bytes(whole[:200])  # inside the token list
     with pytest.raises(KvguardError, match="cut.gguf is not a readable GGUF file"):
         read_gguf_header(cut)
+
+
+def test_one_string_of_a_skipped_array_is_read_alone(tmp_path: Path) -> None:
+    header = read_gguf_header(write_gguf(tmp_path / "t.gguf"))
+    assert header.string_at("tokenizer.ggml.tokens", 0) == "tok0"
+    assert header.string_at("tokenizer.ggml.tokens", 321) == "tok321"
+    assert header.string_at("tokenizer.ggml.tokens", 499) == "tok499"
+    assert header.string_at("tokenizer.ggml.tokens", 500) is None
+    assert header.string_at("llama.block_count", 0) is None  # not a string array

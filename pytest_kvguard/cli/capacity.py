@@ -25,6 +25,7 @@ from pytest_kvguard.engines.llama_cpp.kv_size import cache_type_bytes, predict_k
 from pytest_kvguard.engines.mlx import kv_size as mlx_kv_size
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.gate.policies import LLAMA_CACHE_TYPES, Policy
+from pytest_kvguard.inputs.model_folder import config_swa_layers, text_config
 from pytest_kvguard.inputs.models import ModelArch, read_arch
 from pytest_kvguard.units import mib
 
@@ -32,12 +33,15 @@ DEFAULT_CONTEXTS = (512, 1024, 2048, 4096, 8192)
 
 
 def arch_from_config(path: Path) -> ModelArch:
-    """The figures of a Hugging Face ``config.json`` (text config nested under ``text_config``)."""
+    """The figures of a Hugging Face ``config.json`` (text config nested under ``text_config``;
+    which layers slide as ``model_folder.config_swa_layers`` reads it)."""
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise KvguardError(f"cannot read {path}: {exc}", fix="give a config.json") from None
-    config = config.get("text_config", config)
+    if not isinstance(config, dict):
+        raise KvguardError(f"{path} is not a JSON object", fix="give a config.json")
+    config = text_config(config)
     try:
         n_layers = int(config["num_hidden_layers"])
         n_heads = int(config["num_attention_heads"])
@@ -47,18 +51,22 @@ def arch_from_config(path: Path) -> ModelArch:
         raise KvguardError(
             f"{path} lacks {exc}", fix="give a decoder model's config.json"
         ) from None
+    except (TypeError, ValueError) as exc:
+        raise KvguardError(
+            f"{path}: a layer or head figure is not a number ({exc})",
+            fix="give a decoder model's config.json",
+        ) from None
     window = config.get("sliding_window")
-    layer_types = config.get("layer_types")
-    if layer_types:
-        swa_layers = tuple(kind == "sliding_attention" for kind in layer_types)
-    elif window and config.get("sliding_window_pattern"):
-        pattern = int(config["sliding_window_pattern"])
-        swa_layers = tuple((i + 1) % pattern != 0 for i in range(n_layers))
-    else:
-        # A window with no per-layer pattern slides everywhere (Mistral-style); none: full.
-        swa_layers = (bool(window),) * n_layers
+    swa_layers = config_swa_layers(config)
+    model_type = str(config.get("model_type", "unknown"))
+    if swa_layers is None:
+        raise KvguardError(
+            f"{path}: which layers of this {model_type} model slide (window {window}) is "
+            "unknown: no layer_types or sliding_window_pattern",
+            fix="give the model's GGUF file, or add layer_types to config.json",
+        )
     return ModelArch(
-        architecture=str(config.get("model_type", "unknown")),
+        architecture=model_type,
         n_layers=n_layers,
         n_kv_heads=n_kv_heads,
         head_dim_k=head_dim,

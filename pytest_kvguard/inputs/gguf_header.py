@@ -35,6 +35,8 @@ class SkippedStrings:
     """A string array whose contents were not decoded (a tokenizer's vocabulary)."""
 
     count: int
+    offset: int = 0
+    """Byte offset of its first string in the file, for ``GgufHeader.string_at``."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,26 @@ class GgufHeader:
     def field(self, key: str) -> Any:
         """The value of ``key``, or None where the file lacks it."""
         return self.metadata.get(key)
+
+    def string_at(self, key: str, index: int) -> str | None:
+        """String ``index`` of the skipped string array ``key`` (one token's text), decoded
+        alone; None where the key is no string array or the index is out of range."""
+        strings = self.field(key)
+        if not isinstance(strings, SkippedStrings) or not 0 <= index < strings.count:
+            return None
+        with self.path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            cursor = _Cursor(buf)
+            cursor.at = strings.offset
+            for _ in range(index):
+                cursor.skip(cursor.unpack("<Q"))
+            try:
+                return cursor.string()
+            except UnicodeDecodeError as exc:
+                raise KvguardError(
+                    f"GGUF metadata {key}[{index}] is not UTF-8 text ({exc.reason})",
+                    path=self.path,
+                    fix="re-export the model with llama.cpp's convert_hf_to_gguf.py",
+                ) from None
 
     def tensor_bytes(self, tensor: TensorInfo) -> np.ndarray:
         """The tensor's raw bytes, memory-mapped (flat uint8)."""
@@ -102,11 +124,11 @@ class _Cursor:
             raise ValueError(f"key {key} nests arrays more than 4 deep")
         item_kind, count = self.unpack("<I"), self.unpack("<Q")
         if item_kind == STRING:
-            length = struct.Struct("<Q")
+            length, start = struct.Struct("<Q"), self.at
             for _ in range(count):  # step over each length-prefixed string (bounds first)
                 self.skip(8)
                 self.skip(length.unpack_from(self.buffer, self.at - 8)[0])
-            return SkippedStrings(count)
+            return SkippedStrings(count, start)
         if item_kind == ARRAY:
             return [self.value(ARRAY, key, depth + 1) for _ in range(count)]
         if item_kind not in SCALARS:

@@ -16,7 +16,7 @@ from functools import cache
 from pathlib import Path
 
 from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.inputs.gguf_header import read_gguf_header
+from pytest_kvguard.inputs.gguf_header import GgufHeader, read_gguf_header
 from pytest_kvguard.paths import resolve_under
 
 
@@ -215,8 +215,8 @@ def read_arch(path: Path) -> ModelArch:
     n_layers = number("block_count")
     n_heads = number("attention.head_count")
     head_dim = number("embedding_length") // n_heads
+    swa_layers = gguf_swa_layers(header) or (False,) * n_layers
     window = header.field(f"{arch}.attention.sliding_window")
-    sliding_window = int(window) if window else None
     return ModelArch(
         architecture=arch,
         n_layers=n_layers,
@@ -224,19 +224,43 @@ def read_arch(path: Path) -> ModelArch:
         head_dim_k=number("attention.key_length", head_dim),
         head_dim_v=number("attention.value_length", head_dim),
         context_length=number("context_length"),
-        sliding_window=sliding_window,
-        swa_layers=_swa_layers(arch, n_layers, sliding_window),
+        sliding_window=int(window) if window and any(swa_layers) else None,
+        swa_layers=swa_layers,
     )
 
 
-def _swa_layers(arch: str, n_layers: int, window: int | None) -> tuple[bool, ...]:
-    if not window:
+SWA_PERIODS = {"gemma3": 6, "gemma2": 2, "cohere2": 4}
+"""Every how-many-th layer is global, by GGUF architecture, where the file has no
+``sliding_window_pattern`` key (llama.cpp's own patterns for these architectures)."""
+
+
+def gguf_swa_layers(header: GgufHeader) -> tuple[bool, ...] | None:
+    """Per layer of a GGUF model: does it slide? None where the layer count is unknown.
+
+    No window: no layer slides. ``{arch}.attention.sliding_window_pattern`` wins: one flag per
+    layer, or a period n (every n-th layer global; 0, as in llama.cpp, every layer slides).
+    Without it: the architecture's period (``SWA_PERIODS``), else every layer slides (the
+    smallest-cache reading)."""
+    arch = str(header.field("general.architecture"))
+    n_layers = header.field(f"{arch}.block_count")
+    if not isinstance(n_layers, int) or isinstance(n_layers, bool):
+        return None
+    if not header.field(f"{arch}.attention.sliding_window"):
         return (False,) * n_layers
-    if arch == "gemma3":
-        # llama.cpp's pattern for Gemma 3: five sliding layers, then one global (every 6th).
-        return tuple((i + 1) % 6 != 0 for i in range(n_layers))
-    # Unknown pattern: assume every layer slides (the smallest-cache reading).
-    return (True,) * n_layers
+    key = f"{arch}.attention.sliding_window_pattern"
+    pattern = header.field(key)
+    if isinstance(pattern, list):  # newer exports: one flag per layer
+        return tuple(bool(p) for p in pattern)
+    if pattern is None:
+        pattern = SWA_PERIODS.get(arch, 0)
+    if not isinstance(pattern, int) or isinstance(pattern, bool) or pattern < 0:
+        raise KvguardError(
+            f"GGUF metadata {key} is {pattern!r}, not a layer period (0 or more) "
+            "or per-layer flags",
+            path=header.path,
+            fix="re-export the model with llama.cpp's convert_hf_to_gguf.py",
+        )
+    return tuple(pattern == 0 or (i + 1) % pattern != 0 for i in range(n_layers))
 
 
 @cache

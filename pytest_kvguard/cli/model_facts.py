@@ -1,0 +1,148 @@
+"""A model's cache-relevant facts, and what differs from a candidate, without loading weights.
+
+    kvguard-model-facts MODEL [CANDIDATE] [--json]
+
+MODEL and CANDIDATE are each a bundled model name, a .gguf file or an mlx / Hugging Face model
+folder. With a candidate: both side by side, then one line per fact that differs, and where
+both are GGUF files, how the bundled chat's first rendered tokens differ (llama.cpp's own
+template code and tokenizer, vocabulary only; needs llama-cpp-python).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from tabulate import tabulate
+
+from pytest_kvguard.errors import EngineError, KvguardError
+from pytest_kvguard.inputs.model_facts import (
+    LABELS,
+    ModelFacts,
+    diff_facts,
+    diff_lines,
+    fact_rows,
+    facts_json,
+    read_model_facts,
+)
+from pytest_kvguard.inputs.models import BUNDLED_MODELS, parse_model
+
+
+def model_path(value: str) -> Path:
+    """A bundled name's GGUF file, or the file or folder as given."""
+    ref = parse_model(value, Path.cwd())
+    if ref.form in ("hub", "url"):
+        raise KvguardError(
+            f"'{value}' is a {ref.form} model, whose files kvguard cannot read here",
+            fix="give a .gguf file, a model folder, or one of: " + ", ".join(BUNDLED_MODELS),
+        )
+    return ref.resolve()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="kvguard-model-facts",
+        description="A model's cache-relevant facts (tokenizer BOS/EOS, chat template, sliding "
+        "window, heads, rope, weight type, sha256) read without loading weights, and with a "
+        "candidate, what differs.",
+    )
+    parser.add_argument(
+        "model", help="a bundled model (" + ", ".join(BUNDLED_MODELS) + "), .gguf file or folder"
+    )
+    parser.add_argument("candidate", nargs="?", help="the model to compare with it")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument(
+        "--chat-tokens",
+        type=int,
+        default=CHAT_TOKENS,
+        metavar="N",
+        help="compare the bundled chat's first N rendered tokens of two GGUF files "
+        "(default: %(default)s; 0: skip)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        models = [_read(args.model)] + ([_read(args.candidate)] if args.candidate else [])
+        chat = chat_token_line(models[0], models[1], args.chat_tokens) if len(models) == 2 else None
+    except KvguardError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(_as_json(models) | ({"chat_tokens": chat} if chat else {}), indent=2))
+        return 0
+    names = [args.model] + ([args.candidate] if args.candidate else [])
+    print(tabulate(_side_by_side(models), headers=["fact", *names], disable_numparse=True))
+    if len(models) == 2:
+        print()
+        print("\n".join(diff_lines(diff_facts(*models)) + ([chat] if chat else [])))
+    return 0
+
+
+CHAT_TOKENS = 200
+
+
+def chat_token_line(before: ModelFacts, after: ModelFacts, count: int = CHAT_TOKENS) -> str | None:
+    """Where the bundled chat, rendered by each model's template and tokenized by its
+    tokenizer, first differs in its first ``count`` tokens (compared as text, since two
+    vocabularies number tokens differently); None where that cannot be told here."""
+    paths = (before.path, after.path)
+    if count <= 0 or not all(p.is_file() for p in paths):
+        return None
+    from pytest_kvguard.inputs.chats import DEFAULT_CHAT, history, load_conversation
+
+    label = f"{DEFAULT_CHAT} chat, first {count} rendered tokens"
+    try:
+        from pytest_kvguard.engines.gguf_vocab import GgufVocab
+    except ImportError:  # llama-cpp-python is optional
+        return None
+    except (RuntimeError, OSError) as exc:  # installed, but its library does not load
+        return f"{label}: not compared (llama-cpp-python does not load: {exc})"
+    messages = history(load_conversation(DEFAULT_CHAT, Path.cwd()))
+    pieces = []
+    try:
+        for path in paths:
+            vocab = GgufVocab(path)
+            ids = vocab.tokenize(vocab.render_chat(messages))
+            pieces.append([vocab.token_piece(t) for t in ids])
+    except EngineError as exc:  # a file with no usable vocabulary still has its facts
+        return f"{label}: not compared ({exc})"
+    first, second = (p[:count] for p in pieces)
+    if first == second:
+        return f"{label}: the same"
+    at = next((i for i, (x, y) in enumerate(zip(first, second, strict=False)) if x != y), None)
+    if at is None:
+        return f"{label}: one is a prefix of the other ({len(first)} and {len(second)} tokens)"
+    differ = sum(x != y for x, y in zip(first, second, strict=False)) + abs(
+        len(first) - len(second)
+    )
+    return (
+        f"{label}: {differ} positions differ, the first at token {at}: "
+        f"{first[at]!r} -> {second[at]!r}"
+    )
+
+
+def _read(value: str) -> ModelFacts:
+    return read_model_facts(model_path(value))
+
+
+def _side_by_side(models: list[ModelFacts]) -> list[list[str]]:
+    columns = [dict(fact_rows(facts)) for facts in models]
+    return [[label, *(column[label] for column in columns)] for label in LABELS.values()]
+
+
+def _as_json(models: list[ModelFacts]) -> dict[str, object]:
+    if len(models) == 1:
+        return {"model": facts_json(models[0])}
+    return {
+        "model": facts_json(models[0]),
+        "candidate": facts_json(models[1]),
+        "differences": [
+            {"fact": d.fact, "model": d.before, "candidate": d.after} for d in diff_facts(*models)
+        ],
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())
