@@ -1,6 +1,6 @@
 """What must hold of a gate run's JSON report, whichever budgets file it ran: the quick gate and
-the full bundled gate, whose reports .ci/run and .ci/nightly check (check_gate_report.py), and the test suite's
-short real runs (test_scenarios_on_engines.py).
+the full bundled gate, whose reports .ci/run and .ci/nightly check (check_gate_report.py), and
+the test suite's short real runs (test_scenarios_on_engines.py).
 
 Each check row is judged against the check it came from: its verdict is the one the file
 expects, and its figures agree with each other and with the check's parameters (counts the

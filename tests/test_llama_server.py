@@ -5,7 +5,8 @@ does in process; its context shift is the in-process sink policy's eviction; an 
 is reached by URL and refuses a check its settings contradict.
 
 The edit-replay counts and the generate scenario beside the in-process engine's are in
-test_scenarios_on_engines.py (and, for both gates, in .ci/run's and .ci/nightly's checks of their reports).
+test_scenarios_on_engines.py (and, for both gates, in .ci/run's and .ci/nightly's checks of
+their reports).
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ all three engines, parity and attention parity, edit-replay on mlx-lm and llama-
 are small (256 tokens on a cap of 128 in process, 320 on llama-server's 255): each row must give
 the verdict its check expects with figures consistent with the check (gate_invariants), and
 llama-server must count and shift as the in-process engine does. The gates
-themselves (fixtures/quick.yaml, fixtures/budgets.yaml) run in .ci/run and .ci/nightly, which check their
-reports with tests/check_gate_report.py.
+themselves (fixtures/quick.yaml, fixtures/budgets.yaml) run in .ci/run and .ci/nightly, which
+check their reports with tests/check_gate_report.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The tiers: the quick gate mirrors the full one check for check; README's quoted gate output
 is compared with a report cell by cell; kvguard-build-llama-server and .ci/run-action work as
-their docs say. Fast: no engine runs here (.ci/run runs the quick gate, .ci/nightly the full one)."""
+their docs say. Fast: no engine runs here (.ci/run runs the quick gate, .ci/nightly the full
+one)."""
 
 from __future__ import annotations
 
