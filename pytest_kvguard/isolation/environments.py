@@ -140,11 +140,16 @@ def _version_in(python: str, distribution: str) -> str | None:
 # kvguard-env: create and cache an environment for an engine requirement.
 
 
+NOT_IN_WORKERS = ("pytest", "packaging")
+"""Dependencies of the pytest process only (packaging: kvguard-bisect sorts releases); left
+out of an engine environment, whose folder name hashes what is installed there."""
+
+
 def runtime_requirements() -> list[str]:
-    """pytest-kvguard's own dependencies but pytest: what a worker imports besides the engine
-    (pytest_kvguard itself comes from the pytest process, on PYTHONPATH)."""
+    """pytest-kvguard's own dependencies but ``NOT_IN_WORKERS``: what a worker imports besides
+    the engine (pytest_kvguard itself comes from the pytest process, on PYTHONPATH)."""
     declared = importlib.metadata.requires("pytest-kvguard") or []
-    return [r for r in declared if "extra ==" not in r and _name_of(r) != "pytest"]
+    return [r for r in declared if "extra ==" not in r and _name_of(r) not in NOT_IN_WORKERS]
 
 
 X86_CMAKE_ARGS = "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
