@@ -7,7 +7,8 @@ sink and its perplexity jumps, a sink policy keeps it. Its prefix cache (edit_re
 any prefix under ``full`` and, under ``swa``, only one whose last ``TOY_WINDOW`` tokens it still
 holds. Set KVGUARD_FAKE_FAIL=1 to make decoding fail; KVGUARD_FAKE_CRASH=KIND (abort) or
 KVGUARD_FAKE_HANG=KIND (block forever) to break decoding under policy KIND; KVGUARD_FAKE_NO_CAP=1
-to ignore the cap (the cache grows); KVGUARD_FAKE_VERSION to report another version;
+to ignore the cap (the cache grows), as it always does on a model file whose name has ``nocap`` in
+it (the model preview's toy regression); KVGUARD_FAKE_VERSION to report another version;
 KVGUARD_FAKE_ATTENTION=1 to give it toy attention probabilities (layer 1 parks 80% on token 0).
 """
 
@@ -46,14 +47,15 @@ INFO = EngineInfo(
 
 
 def load(model_path: Path, options: EngineOptions) -> FakeEngine:
-    return FakeEngine()
+    return FakeEngine(ignores_cap="nocap" in model_path.name)
 
 
 class FakeEngine:
     name = "fake"
     kv_element_bytes = 2.0
 
-    def __init__(self) -> None:
+    def __init__(self, ignores_cap: bool = False) -> None:
+        self.ignores_cap = ignores_cap or bool(os.environ.get("KVGUARD_FAKE_NO_CAP"))
         if os.environ.get("KVGUARD_FAKE_ATTENTION"):
             # Instance attributes: the engine has these only when asked (hasattr is the test).
             self.attention = toy_attention
@@ -75,7 +77,7 @@ class FakeEngine:
         return CHAT_MARK + "".join(f"<{m['role']}>{m['content']}" for m in messages)
 
     def open_stream(self, policy: Policy, max_tokens: int) -> FakeStream:
-        return FakeStream(policy)
+        return FakeStream(policy, self.ignores_cap)
 
     def open_prefix_cache(self, policy: Policy, max_tokens: int) -> FakePrefixCache:
         return FakePrefixCache(policy)
@@ -92,12 +94,12 @@ class FakeEngine:
 
     def open_stream_group(self, policies: Sequence[Policy], max_tokens: int) -> FakeStreamGroup:
         FakeStreamGroup.opened.append(list(policies))
-        return FakeStreamGroup([FakeStream(p) for p in policies])
+        return FakeStreamGroup([FakeStream(p, self.ignores_cap) for p in policies])
 
     def converse(
         self, policy: Policy, token_ids: Sequence[int], turns: Sequence[Turn], prefill_step: int
     ) -> np.ndarray:
-        stream = FakeStream(policy)
+        stream = FakeStream(policy, self.ignores_cap)
         return converse_through_stream(stream, token_ids, turns, prefill_step)
 
     def close(self) -> None:
@@ -122,8 +124,9 @@ class FakeStream:
     feeds: ClassVar[list[tuple[Policy, int]]] = []
     """(policy, tokens) of every call made in this process, for tests to read."""
 
-    def __init__(self, policy: Policy) -> None:
+    def __init__(self, policy: Policy, ignores_cap: bool = False) -> None:
         self.policy = policy
+        self.ignores_cap = ignores_cap
         self.positions: list[int] = []  # absolute index of each held token
         self.fed = 0
         self._evicted = 0
@@ -137,7 +140,7 @@ class FakeStream:
         return self._evicted
 
     def room(self) -> int | None:
-        if self.policy.cap is None or os.environ.get("KVGUARD_FAKE_NO_CAP"):
+        if self.policy.cap is None or self.ignores_cap:
             return None
         return self.policy.cap - self.held
 
@@ -149,7 +152,7 @@ class FakeStream:
         if os.environ.get("KVGUARD_FAKE_HANG") == self.policy.kind:
             threading.Event().wait()
         FakeStream.feeds.append((self.policy, len(token_ids)))
-        cap = None if os.environ.get("KVGUARD_FAKE_NO_CAP") else self.policy.cap
+        cap = None if self.ignores_cap else self.policy.cap
         if cap is not None:
             while self.held + len(token_ids) > cap:
                 step = self.policy.evict_step

@@ -18,10 +18,12 @@ from pathlib import Path
 
 from tabulate import tabulate
 
-from pytest_kvguard.errors import EngineError, KvguardError
+from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.inputs.model_facts import (
+    CHAT_TOKENS,
     LABELS,
     ModelFacts,
+    chat_token_line,
     diff_facts,
     diff_lines,
     fact_rows,
@@ -78,49 +80,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print()
         print("\n".join(diff_lines(diff_facts(*models)) + ([chat] if chat else [])))
     return 0
-
-
-CHAT_TOKENS = 200
-
-
-def chat_token_line(before: ModelFacts, after: ModelFacts, count: int = CHAT_TOKENS) -> str | None:
-    """Where the bundled chat, rendered by each model's template and tokenized by its
-    tokenizer, first differs in its first ``count`` tokens (compared as text, since two
-    vocabularies number tokens differently); None where that cannot be told here."""
-    paths = (before.path, after.path)
-    if count <= 0 or not all(p.is_file() for p in paths):
-        return None
-    from pytest_kvguard.inputs.chats import DEFAULT_CHAT, history, load_conversation
-
-    label = f"{DEFAULT_CHAT} chat, first {count} rendered tokens"
-    try:
-        from pytest_kvguard.engines.gguf_vocab import GgufVocab
-    except ImportError:  # llama-cpp-python is optional
-        return None
-    except (RuntimeError, OSError) as exc:  # installed, but its library does not load
-        return f"{label}: not compared (llama-cpp-python does not load: {exc})"
-    messages = history(load_conversation(DEFAULT_CHAT, Path.cwd()))
-    pieces = []
-    try:
-        for path in paths:
-            vocab = GgufVocab(path)
-            ids = vocab.tokenize(vocab.render_chat(messages))
-            pieces.append([vocab.token_piece(t) for t in ids])
-    except EngineError as exc:  # a file with no usable vocabulary still has its facts
-        return f"{label}: not compared ({exc})"
-    first, second = (p[:count] for p in pieces)
-    if first == second:
-        return f"{label}: the same"
-    at = next((i for i, (x, y) in enumerate(zip(first, second, strict=False)) if x != y), None)
-    if at is None:
-        return f"{label}: one is a prefix of the other ({len(first)} and {len(second)} tokens)"
-    differ = sum(x != y for x, y in zip(first, second, strict=False)) + abs(
-        len(first) - len(second)
-    )
-    return (
-        f"{label}: {differ} positions differ, the first at token {at}: "
-        f"{first[at]!r} -> {second[at]!r}"
-    )
 
 
 def _read(value: str) -> ModelFacts:

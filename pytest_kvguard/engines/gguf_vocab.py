@@ -10,7 +10,7 @@ from typing import Any
 
 import llama_cpp as lc
 
-from pytest_kvguard.engines.llama_log import init_backend
+from pytest_kvguard.engines.llama_log import captured_log, init_backend
 from pytest_kvguard.errors import EngineError
 from pytest_kvguard.inputs.models import BUILTIN_CHAT_TEMPLATES
 
@@ -79,9 +79,15 @@ class GgufVocab:
         init_backend()
         params = lc.llama_model_default_params()
         params.vocab_only = True
-        self.model = lc.llama_model_load_from_file(str(model_path).encode(), params)
+        with captured_log() as log:
+            self.model = lc.llama_model_load_from_file(str(model_path).encode(), params)
         if not self.model:
-            raise EngineError(f"llama.cpp could not read the vocabulary of {model_path}")
+            # llama.cpp says why only in its log ("unknown model architecture: 'x'").
+            why = [line.strip() for line in "".join(log).splitlines() if "error" in line]
+            raise EngineError(
+                f"llama.cpp could not read the vocabulary of {model_path}"
+                + (f": {why[-1]}" if why else "")
+            )
         self.vocab = lc.llama_model_get_vocab(self.model)
 
     def tokenize(self, text: str) -> list[int]:

@@ -96,6 +96,9 @@ class EngineInfo:
     cache_type_v); None: it is not."""
     kv_precision_paths: tuple[str, ...] = ()
     """The engine paths on which the adapter applies those settings."""
+    gguf_architectures: tuple[str, ...] | None = None
+    """The GGUF architectures (``general.architecture``) the adapter loads itself, where it
+    maps them to the engine's own model classes; None: whatever the engine's library knows."""
 
 
 ENGINES: dict[str, EngineInfo] = {
@@ -137,6 +140,7 @@ ENGINES: dict[str, EngineInfo] = {
             position_modes=("absolute",),
             fixed_evict_step=1,
             model_forms=("gguf", "folder", "hub"),
+            gguf_architectures=("llama", "gemma3"),  # engines/mlx/gguf.py maps these
             capabilities=frozenset({"reads_attention", "groups", "api_reuse"}),
             kv_precision="kv_bits",
             kv_precision_paths=("feed", "attention_read"),

@@ -154,7 +154,12 @@ def upgrades(then: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
         changes.append(f"{now['engine']} {then.get('engine_version')} -> {now['engine_version']}")
     if then.get("model_sha256") != now.get("model_sha256"):
         old, new = then.get("model_sha256") or "?", now.get("model_sha256") or "?"
-        changes.append(f"model {now['model']} sha256 {old[:12]} -> {new[:12]}")
+        model = (
+            now["model"]
+            if then.get("model", now["model"]) == now["model"]
+            else (f"{then['model']} -> {now['model']},")
+        )
+        changes.append(f"model {model} sha256 {old[:12]} -> {new[:12]}")
     if then.get("text_sha256") != now.get("text_sha256"):
         changes.append(f"text {now['text']} changed")
     then_info, now_info = then.get("engine_info", {}), now.get("engine_info", {})
@@ -219,27 +224,44 @@ def _judged_against(
 def compare_with_other_run(
     outcome: Outcome, other: Outcome, rules: Mapping[str, Tolerance], python: str
 ) -> Outcome:
-    """Upgrade preview: the outcome judged against the same check run in another environment."""
+    """Upgrade or model preview: the outcome judged against the same check's other run (in
+    another environment, or on the model the candidate would replace)."""
     summary = {
         "python": python,
         "engine_version": other.engine_version,
+        "model": other.model,
+        "model_path": other.model_path,
+        "model_sha256": other.model_sha256,
         "verdict": other.verdict,
         "metrics": other.metrics,
         "violations": other.violations,
     }
-    label = f"{other.engine} {other.engine_version} (upgrade preview)"
+    if other.model_path != outcome.model_path:
+        label = f"model {other.model} (model preview)"
+    else:
+        label = f"{other.engine} {other.engine_version} (upgrade preview)"
     return _judged_against(replace(outcome, against=summary), other.to_json(), rules, label)
 
 
-def other_run_failed(outcome: Outcome, python: str, error: str, detail: str) -> Outcome:
-    """Upgrade preview whose other run could not run: never a pass that compared nothing.
+def other_run_failed(
+    outcome: Outcome, python: str, error: str, detail: str, model: str | None = None
+) -> Outcome:
+    """A preview whose other run could not run: never a pass that compared nothing. ``model``:
+    the model preview's reference model (else the upgrade preview's environment failed).
     ``detail`` (the error with a worker's traceback or last words) goes to the JSON row."""
+    where = f"on model {model}" if model else f"in {python}"
+    preview = "model preview" if model else "upgrade preview"
     return replace(
         outcome,
-        against={"python": python, "error": detail},
-        violations=[*outcome.violations, f"upgrade preview: the run in {python} failed: {error}"],
+        against={"python": python, "error": detail, **({"model": model} if model else {})},
+        violations=[*outcome.violations, f"{preview}: the run {where} failed: {error}"],
         baseline_status="preview failed",
     )
+
+
+def _same_figure(old: float, new: float) -> bool:
+    """Equal, or both NaN (a run that refused, as mlx-lm a quantized rotating cache)."""
+    return old == new or (math.isnan(old) and math.isnan(new))
 
 
 def render_preview(rows: Sequence[Row], fmt: str = "simple") -> str:
@@ -256,7 +278,7 @@ def render_preview(rows: Sequence[Row], fmt: str = "simple") -> str:
         old, new = other["metrics"], row.metrics
         compared = SCENARIOS[row.scenario].comparable_metrics
         changed = [m for m in sorted(compared) if m in old and m in new
-                   and old[m] != new[m]]  # fmt: skip
+                   and not _same_figure(old[m], new[m])]  # fmt: skip
         for i, metric in enumerate(changed or ["(no compared figure changed)"]):
             cells = (
                 [metric, format_figure(old[metric]), format_figure(new[metric]),
@@ -266,10 +288,16 @@ def render_preview(rows: Sequence[Row], fmt: str = "simple") -> str:
             lines.append([row.name if i == 0 else "", *cells, row.verdict if i == 0 else ""])
     if not lines:
         return ""
-    versions = sorted({(o.engine, o.engine_version, o.against["engine_version"])
-                       for o in rows if isinstance(o, Outcome) and o.against
-                       and "engine_version" in o.against})  # fmt: skip
-    title = "; ".join(f"{e} {old} -> {new}" for e, new, old in versions)
+    # (this run's model and engine version, the other run's summary) per previewed row
+    previewed = [(o, o.against) for o in rows if isinstance(o, Outcome) and o.against]
+    versions = sorted({(o.engine, o.engine_version, other["engine_version"])
+                       for o, other in previewed if other.get("model", o.model) == o.model
+                       and "engine_version" in other})  # fmt: skip
+    models = sorted({(other["model"], o.model) for o, other in previewed
+                     if other.get("model", o.model) != o.model})  # fmt: skip
+    title = "; ".join([*(f"{e} {old} -> {new}" for e, new, old in versions),
+                       *(f"model {old} -> {new}" for old, new in models)])  # fmt: skip
+    kind = "model preview" if models and not versions else "upgrade preview"
     table = tabulate(lines, headers=["check", "figure", "against", "this run", "change", "verdict"],
                      tablefmt=fmt, disable_numparse=True)  # fmt: skip
-    return f"upgrade preview ({title}):\n{table}"
+    return f"{kind} ({title or 'nothing changed'}):\n{table}"

@@ -23,6 +23,8 @@ Schema (version 1)::
       mlx: envs/mlx-0.28/bin/python  # relative to this file; kvguard-env prints one
     against:               # optional: upgrade preview, every check run here and there
       mlx: envs/mlx-0.28/bin/python  # or one path for every engine
+    against_models:        # optional: model preview, every check on a model run on a candidate
+      smollm2-135m: models/smollm2-q8_0.gguf   # relative to this file; a .gguf or a folder
 
 Each check is built by ``checks.build_check``, the same validation a fixture call goes through.
 """
@@ -42,6 +44,7 @@ from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.gate.baseline import Tolerance, parse_tolerance, tolerances
 from pytest_kvguard.gate.budgets import unknown_key_error
 from pytest_kvguard.gate.checks import DEFAULT_KEYS, Written, build_check
+from pytest_kvguard.gate.model_preview import ModelSwap, model_swap
 from pytest_kvguard.isolation.environments import (
     EVERY_ENGINE,
     Environments,
@@ -51,7 +54,10 @@ from pytest_kvguard.isolation.environments import (
 from pytest_kvguard.scenarios.base import Check
 
 SCHEMA_VERSION = 1
-TOP_KEYS = ["version", "defaults", "checks", "baseline_tolerances", "engine_python", "against"]
+TOP_KEYS = [
+    "version", "defaults", "checks", "baseline_tolerances", "engine_python", "against",
+    "against_models",
+]  # fmt: skip
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -83,6 +89,8 @@ class BudgetsFile:
     """The file's own ``engine_python:`` (engine -> the interpreter of the environment it runs
     in) and ``against:`` (engine or ``*`` -> the upgrade preview's other run), before the
     command line's (``engine_environments`` puts those over these)."""
+    model_swaps: tuple[ModelSwap, ...] = ()
+    """The file's ``against_models:`` (model -> candidate), before the command line's."""
 
 
 def load_budgets_file(path: Path, command_line: Environments | None = None) -> BudgetsFile:
@@ -176,7 +184,28 @@ def load_budgets_file(path: Path, command_line: Environments | None = None) -> B
         tuple(checks),
         _baseline_tolerances(document, path),
         Environments(engine_python, _pythons(document, "against", path)),
+        _model_swaps(document, path),
     )
+
+
+def _model_swaps(document: Written, path: Path) -> tuple[ModelSwap, ...]:
+    """``against_models:``: model as the checks name it -> candidate, relative to the file."""
+    key = "against_models"
+    section = document.get(key)
+    if section is None:
+        return ()
+    if not isinstance(section, Written):
+        raise _not_a_mapping(key, section, path, document.key_lines[key])
+    swaps = []
+    for model, candidate in section.items():
+        line = section.key_lines.get(model, document.key_lines[key])
+        if not isinstance(candidate, str):
+            raise KvguardError(
+                f"{key}.{model} must be a path, got {candidate!r}", path=path, line=line,
+                fix="write the candidate's .gguf file or model folder",
+            )  # fmt: skip
+        swaps.append(model_swap(str(model), candidate, path.parent, f"{path}:{line}: {key}"))
+    return tuple(swaps)
 
 
 def _pythons(document: Written, key: str, path: Path) -> dict[str, str]:

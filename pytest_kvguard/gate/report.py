@@ -89,8 +89,10 @@ def build_report(
     missing_checks: Sequence[str],
     exitstatus: int,
     baseline: dict[str, Any] | None = None,
+    model_preview: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The JSON report. ``complete`` is false when a collected check left no figures."""
+    """The JSON report. ``complete`` is false when a collected check left no figures.
+    ``model_preview``: each model swap's facts diff (``model_preview.FactsDiff``)."""
     complete = not missing_checks and not any(isinstance(r, CheckError) for r in rows)
     return {
         "schema": REPORT_SCHEMA,
@@ -105,6 +107,7 @@ def build_report(
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine(),
         "baseline": baseline,
+        "model_preview": model_preview,
         "checks": [r.to_json() for r in rows],
     }
 

@@ -14,13 +14,13 @@ from __future__ import annotations
 import mmap
 import struct
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.paths import cached_per_file
 
 MAGIC = b"GGUF"
 SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
@@ -139,7 +139,7 @@ class _Cursor:
         return np.frombuffer(self.buffer, dtype=dtype, count=count, offset=start).tolist()
 
 
-@cache
+@cached_per_file
 def read_gguf_header(path: Path) -> GgufHeader:
     """The header of a GGUF file (version 2 or 3), or a one-line error naming what is wrong."""
     try:

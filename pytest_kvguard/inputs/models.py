@@ -17,7 +17,7 @@ from pathlib import Path
 
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.inputs.gguf_header import GgufHeader, read_gguf_header
-from pytest_kvguard.paths import resolve_under
+from pytest_kvguard.paths import cached_per_file, resolve_under
 
 
 @dataclass(frozen=True)
@@ -196,7 +196,7 @@ def builtin_chat_template(path: Path) -> str | None:
     return BUILTIN_CHAT_TEMPLATES.get(str(header.field("general.architecture")))
 
 
-@cache
+@cached_per_file
 def read_arch(path: Path) -> ModelArch:
     """Read layers, KV heads, head dims, context length and sliding window from a GGUF file."""
     header = read_gguf_header(path)
@@ -263,7 +263,7 @@ def gguf_swa_layers(header: GgufHeader) -> tuple[bool, ...] | None:
     return tuple(pattern == 0 or (i + 1) % pattern != 0 for i in range(n_layers))
 
 
-@cache
+@cached_per_file
 def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:

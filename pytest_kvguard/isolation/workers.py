@@ -352,7 +352,8 @@ class WorkerPool:
     def worker(self, python: str, *, judged: bool = True) -> EngineWorker:
         """The worker for this interpreter; ``judged=False`` for an upgrade preview's other run,
         which never runs under an injected fault."""
-        key = (python, judged)
+        # Without a fault both sides are alike: one worker (one model load) serves them.
+        key = (python, judged or self.fault is None)
         if key not in self._workers:
             setup = WorkerSetup(self.options, fault=self.fault if judged else None)
             self._workers[key] = EngineWorker(python, setup, self._say)

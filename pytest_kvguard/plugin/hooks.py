@@ -18,10 +18,20 @@ from pytest_kvguard.engines.blas import preload_openblas
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.gate.baseline import load_baseline
 from pytest_kvguard.gate.budgets import Budgets
-from pytest_kvguard.gate.budgets_file import load_budgets_file
+from pytest_kvguard.gate.budgets_file import BudgetsFile, load_budgets_file
 from pytest_kvguard.gate.faults import fault
+from pytest_kvguard.gate.model_preview import (
+    ModelSwap,
+    check_swaps,
+    facts_diff,
+    merge_swaps,
+    not_previewed,
+    parse_model_swaps,
+    uses,
+)
 from pytest_kvguard.gate.plot import require_matplotlib
 from pytest_kvguard.gate.runner import Runner
+from pytest_kvguard.inputs.model_usable import check_model_usable
 from pytest_kvguard.isolation.environments import (
     EVERY_ENGINE,
     Environments,
@@ -44,7 +54,9 @@ from pytest_kvguard.plugin.session import (
     BASELINE_KEY,
     BUDGETS_KEY,
     ENVIRONMENTS_KEY,
+    FACTS_DIFFS_KEY,
     FAULT_KEY,
+    MODEL_SWAPS_KEY,
     OUTCOMES_KEY,
     PLAN_KEY,
     POOL_KEY,
@@ -107,11 +119,20 @@ def pytest_configure(config: pytest.Config) -> None:
         environments = engine_environments(
             command_line, budgets_file.environments if budgets_file else None
         )
+        here = [engine for engine in ENGINES if engine not in environments.python]
+        if budgets_file is not None:
+            _check_models_usable(budgets_file, here)
+        swaps = _model_swaps(config, budgets_file, here)
     except KvguardError as exc:
         raise pytest.UsageError(str(exc)) from None
-    if environments.against and BASELINE_KEY in config.stash:
+    judged_against = [name for name, given in [
+        ("--kvguard-against", bool(environments.against)),
+        ("--kvguard-against-model", bool(swaps)),
+        ("--kvguard-baseline", BASELINE_KEY in config.stash),
+    ] if given]  # fmt: skip
+    if len(judged_against) > 1:
         raise pytest.UsageError(
-            "--kvguard-against and --kvguard-baseline both give the run something to be judged "
+            f"{' and '.join(judged_against)} each give the run something to be judged "
             "against (fix: use one of them)"
         )
     config.stash[ENVIRONMENTS_KEY] = environments
@@ -124,6 +145,50 @@ def pytest_configure(config: pytest.Config) -> None:
         config.args = [collect]
     elif collect not in config.args:
         config.args.append(collect)
+
+
+def _check_models_usable(budgets_file: BudgetsFile, here: list[str]) -> None:
+    """Each model a check names is one its engines can load, as far as kvguard can tell
+    without loading weights; else one line naming the check's line and the file. ``here``:
+    the engines that run in this environment."""
+    seen = set()
+    for check in budgets_file.checks:
+        key = (check.model, tuple(check.engines))
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            check_model_usable(check.model, check.engines, here)
+        except KvguardError as exc:
+            raise KvguardError(f"{check.where}: model {exc}") from None
+
+
+def _model_swaps(
+    config: pytest.Config, budgets_file: BudgetsFile | None, here: list[str]
+) -> list[ModelSwap]:
+    """The model preview's swaps, each checked (a candidate the checks' engines cannot load is
+    one line now), with each one's facts diff stashed for the header and the JSON report
+    (read now, before any run)."""
+    given = list_setting(config, "kvguard_against_model")
+    # Command-line paths are relative to the current directory, ini lines to rootdir.
+    base = Path.cwd() if config.getoption("kvguard_against_model") else config.rootpath
+    swaps = merge_swaps(
+        parse_model_swaps(given, "--kvguard-against-model", base),
+        budgets_file.model_swaps if budgets_file else (),
+    )
+    checks = list(budgets_file.checks) if budgets_file else []
+    if checks:
+        check_swaps(swaps, checks)
+    for swap in swaps:
+        for check in checks:
+            if uses(check, swap) and not_previewed(check, swap) is None:
+                try:
+                    check_model_usable(swap.candidate, check.engines, here)
+                except KvguardError as exc:
+                    raise KvguardError(f"{swap.given}: candidate {exc}") from None
+    config.stash[MODEL_SWAPS_KEY] = swaps
+    config.stash[FACTS_DIFFS_KEY] = [facts_diff(swap, checks) for swap in swaps]
+    return swaps
 
 
 def _command_line_environments(config: pytest.Config) -> Environments:
@@ -152,6 +217,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         names = [engine] if engine != EVERY_ENGINE else list(ENGINES)
         found = ", ".join(f"{n} {version_in(python, n) or 'not installed'}" for n in names)
         lines.append(f"kvguard upgrade preview: every check also runs against {found} ({python})")
+    for diff in config.stash.get(FACTS_DIFFS_KEY, []):
+        lines.extend(diff.lines())
     baseline = config.stash.get(BASELINE_KEY, None)
     if baseline is not None:
         lines.append(

@@ -40,8 +40,16 @@ ENVIRONMENT_OPTIONS = [
      "check (of ENGINE, or of every engine) a second time in PYTHON's environment and judge "
      "this run against it with the baseline tolerances; the table shows both versions' "
      "figures. Overrides the budgets file's 'against:'. Default: no preview."),
+    ("--kvguard-against-model", "kvguard_against_model", "NAME=PATH", "Model preview: every "
+     "check on model NAME (a bundled name, or the path as the checks write it) runs a second "
+     "time on the candidate PATH (a .gguf file or a model folder, relative to the current "
+     "directory; the ini value: to rootdir) and the candidate's run is judged against NAME's "
+     "with the baseline tolerances. The header lists the cache-relevant facts that differ; the "
+     "table shows both runs' figures. May be given once per model; overrides the budgets "
+     "file's 'against_models:'. Default: no preview."),
 ]  # fmt: skip
-"""Options given once per engine: repeatable on the command line, one per line in the ini."""
+"""Options given once per engine (or model): repeatable on the command line, one per line in
+the ini."""
 
 ENVIRONMENT = {
     "KVGUARD_N_GPU_LAYERS": "layers llama.cpp offloads to a GPU (default 0; -1 for all)",
@@ -57,8 +65,8 @@ ENVIRONMENT = {
     "`$XDG_CACHE_HOME/kvguard`, else `~/.cache/kvguard`)",
     "KVGUARD_MLX_BLAS": "`bundled` keeps mlx's reference BLAS on Linux (default: preload "
     "OpenBLAS when installed)",
-    "KVGUARD_ENV_DIR": "where `kvguard-env` caches environments (default "
-    "`~/.cache/pytest-kvguard/envs`)",
+    "KVGUARD_ENV_DIR": "where `kvguard-env` caches environments, and `kvguard-bisect` finds "
+    "and makes one per engine release (default `~/.cache/pytest-kvguard/envs`)",
     "CMAKE_ARGS": "llama.cpp's build flags for `kvguard-build-llama-server` and `kvguard-env` "
     "(default on x86-64: the instruction-set pins `.ci/install` uses)",
     "XDG_CACHE_HOME": "the cache folder kvguard's caches go under (default `~/.cache`)",

@@ -17,7 +17,7 @@ from pytest_kvguard.gate.baseline import render_preview
 from pytest_kvguard.gate.outcome import CheckError, Outcome, Row, row_from_json
 from pytest_kvguard.gate.plot import write_plots
 from pytest_kvguard.gate.report import build_report, machine, render_table, step_summary, write_json
-from pytest_kvguard.plugin.session import BASELINE_KEY, BUDGETS_KEY, PROPERTY
+from pytest_kvguard.plugin.session import BASELINE_KEY, BUDGETS_KEY, FACTS_DIFFS_KEY, PROPERTY
 from pytest_kvguard.scenarios import SCENARIOS
 
 
@@ -81,6 +81,8 @@ class KvguardReporter:
             baseline=None
             if baseline is None
             else {"path": str(baseline.path), "differences": baseline.differences(machine())},
+            model_preview=[diff.to_json() for diff in self.config.stash.get(FACTS_DIFFS_KEY, [])]
+            or None,
         )
         try:
             write_json(self.json_path, report)
@@ -115,12 +117,19 @@ class KvguardReporter:
             for change in getattr(row, "baseline_changes", []):
                 changes[change] = changes.get(change, 0) + 1
         if changes:
-            previewed = any(getattr(row, "against", None) for row in rows)
+            others = [row.against for row in rows if isinstance(row, Outcome) and row.against]
+            swapped = any(
+                row.against.get("model", row.model) != row.model
+                for row in rows
+                if isinstance(row, Outcome) and row.against
+            )
             terminalreporter.write_line(
                 (
-                    "kvguard: changed since the upgrade preview's other run: "
-                    if previewed
-                    else "kvguard: changed since the baseline: "
+                    "kvguard: changed since the baseline: "
+                    if not others
+                    else "kvguard: changed since the model preview's other run: "
+                    if swapped
+                    else "kvguard: changed since the upgrade preview's other run: "
                 )  # fmt: skip
                 + "; ".join(f"{c} ({n} check{'s' * (n != 1)})" for c, n in changes.items()),
                 yellow=True,

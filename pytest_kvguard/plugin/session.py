@@ -22,6 +22,13 @@ from pytest_kvguard.gate.baseline import (
     tolerances,
 )
 from pytest_kvguard.gate.budgets_file import BudgetsFile
+from pytest_kvguard.gate.model_preview import (
+    FactsDiff,
+    ModelSwap,
+    not_previewed,
+    swap_for,
+    swapped,
+)
 from pytest_kvguard.gate.outcome import CheckError, Outcome
 from pytest_kvguard.gate.runner import Runner
 from pytest_kvguard.isolation.environments import Environments
@@ -37,6 +44,10 @@ POOL_KEY = pytest.StashKey[WorkerPool]()
 ENVIRONMENTS_KEY = pytest.StashKey[Environments]()
 TIMEOUT_KEY = pytest.StashKey[float | None]()
 OUTCOMES_KEY = pytest.StashKey[list[Outcome]]()
+MODEL_SWAPS_KEY = pytest.StashKey[list[ModelSwap]]()
+"""The model preview's swaps (--kvguard-against-model, ``against_models:``)."""
+FACTS_DIFFS_KEY = pytest.StashKey[list[FactsDiff]]()
+"""Each swap's facts diff, read before any run (header and JSON report)."""
 PLAN_KEY = pytest.StashKey[list[Check[Any]]]()
 """The budgets-file checks this session will run, in order (not under xdist)."""
 PROPERTY = "kvguard"
@@ -77,6 +88,10 @@ def run_gated(config: pytest.Config, check: Check[Any]) -> Outcome:
     worker = pool.worker(python)
     if worker.plan is None:
         worker.plan = _plan_for(config, environments, python)
+    swaps: list[ModelSwap] = config.stash.get(MODEL_SWAPS_KEY, [])
+    swap = swap_for(check, swaps)
+    if swap is not None:
+        return _model_preview(config, check, swap, python, timeout)
     outcome = pool.run(sent, python, timeout)
     other_python, why_not = environments.against_for(check.engines)
     if other_python is not None:
@@ -90,6 +105,26 @@ def run_gated(config: pytest.Config, check: Check[Any]) -> Outcome:
     return against_baseline(config, outcome)
 
 
+def _model_preview(
+    config: pytest.Config, check: Check[Any], swap: ModelSwap, python: str, timeout: float | None
+) -> Outcome:
+    """The check on the candidate, judged against the same check on the model it replaces."""
+    pool = session_pool(config)
+    why_not = not_previewed(check, swap)
+    if why_not is not None:
+        return replace(pool.run(sendable(check), python, timeout), baseline_status=why_not)
+    try:
+        outcome = pool.run(sendable(swapped(check, swap)), python, timeout)
+    except KvguardError as exc:  # the row says which of the two runs failed
+        exc.message = f"on the candidate {swap.candidate.name}: {exc.message}"
+        raise
+    try:
+        other = pool.run(sendable(check), python, timeout, judged=False)
+    except KvguardError as exc:  # the other run's last words stay in its JSON row
+        return other_run_failed(outcome, python, str(exc), failure_text(exc), check.model.name)
+    return compare_with_other_run(outcome, other, _tolerances(config), python)
+
+
 def sendable(check: Check[Any]) -> Check[Any]:
     """The check with its model file found here: a worker's environment need not have the
     model packages."""
@@ -99,10 +134,16 @@ def sendable(check: Check[Any]) -> Check[Any]:
 def _plan_for(config: pytest.Config, environments: Environments, python: str) -> list[Check[Any]]:
     """The session's checks that run on this interpreter, for the worker to plan its runs."""
     planned = []
+    swaps: list[ModelSwap] = config.stash.get(MODEL_SWAPS_KEY, [])
     for check in config.stash.get(PLAN_KEY, []):
         try:
             if environments.python_for(check.engines) == python:
                 planned.append(sendable(check))
+                # The candidate's runs are planned as the model's are (grouped alike), so the
+                # two differ by the model alone.
+                swap = swap_for(check, swaps)
+                if swap is not None and not_previewed(check, swap) is None:
+                    planned.append(sendable(swapped(check, swap)))
         except KvguardError:
             continue  # the check reports it when it runs
     return planned

@@ -1,0 +1,75 @@
+"""Whether a check's model is one its engines can load, told before any run where kvguard can
+tell without loading weights: a GGUF file's header (magic, version, tensors within the file),
+a model folder's config and tokenizer files, and the architecture against what each engine
+declares it loads (``EngineInfo.gguf_architectures``) or, for llama.cpp in this process,
+what its library knows (a vocabulary-only load, which reads the architecture first).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from pytest_kvguard.engines import ENGINES, installed_version
+from pytest_kvguard.errors import EngineError, KvguardError
+from pytest_kvguard.inputs.gguf_header import read_gguf_header
+from pytest_kvguard.inputs.model_folder import folder_facts
+from pytest_kvguard.inputs.models import ModelRef
+from pytest_kvguard.paths import cached_per_file
+
+UNKNOWN_ARCHITECTURE = "unknown model architecture"
+"""What llama.cpp's loader logs for an architecture it does not implement."""
+
+
+def check_model_usable(model: ModelRef, engines: Sequence[str], here: Sequence[str]) -> None:
+    """A one-line KvguardError naming the file and what is wrong, where kvguard can tell.
+
+    ``here``: the engines that run in this Python environment (llama.cpp's own architecture
+    list is asked only there: another environment may have another llama.cpp)."""
+    if model.form == "folder":
+        folder_facts(model.resolve())  # config.json and a tokenizer file, or one line
+        return
+    if model.form != "gguf":
+        return  # a hub id or a server's URL: nothing here to read
+    path = model.resolve()
+    header = read_gguf_header(path)  # the magic, the version, every tensor inside the file
+    arch = header.field("general.architecture")
+    if not isinstance(arch, str):
+        raise KvguardError(
+            f"{path}: GGUF metadata has no general.architecture", fix="re-convert the model"
+        )
+    for engine in engines:
+        known = ENGINES[engine].gguf_architectures
+        if known is not None and arch not in known:
+            raise KvguardError(
+                f"{path}: engine {engine} cannot load GGUF architecture '{arch}' (it loads "
+                + ", ".join(known)
+                + ")",
+                fix=f"use a model of those architectures with engine {engine}, or another engine",
+            )
+    if "llama_cpp" in engines and "llama_cpp" in here and model.path is not None:
+        # Bundled models are known to load; a user's file is asked of llama.cpp itself.
+        reason = _llama_cpp_refusal(path)
+        if reason is not None:
+            raise KvguardError(
+                f"{path}: llama-cpp-python {installed_version('llama_cpp')} cannot load it: "
+                f"{reason}",
+                fix="upgrade llama-cpp-python to a release that knows this architecture",
+            )
+
+
+@cached_per_file
+def _llama_cpp_refusal(path: Path) -> str | None:
+    """llama.cpp's refusal of the file's architecture, or None (it knows it, or the loader
+    failed for another reason, which the check's run reports with the engine's own words)."""
+    try:
+        from pytest_kvguard.engines.gguf_vocab import GgufVocab
+    except (ImportError, RuntimeError, OSError):
+        return None  # not installed here, or its library does not load: the run says so
+    try:
+        GgufVocab(path)
+    except EngineError as exc:
+        message = str(exc)
+        if UNKNOWN_ARCHITECTURE in message:
+            return message[message.index(UNKNOWN_ARCHITECTURE) :]
+    return None

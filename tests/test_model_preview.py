@@ -1,0 +1,173 @@
+"""The model preview's pytest mechanics on the toy engine (fast), with GGUF headers made here.
+
+The toy engine ignores the cap on a model file whose name has ``nocap`` in it: a candidate
+model that regresses. Real models: ``test_model_preview_real.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from test_model_facts import MLX_CONFIG, MLX_TOKENIZER, write_folder, write_model
+
+pytestmark = pytest.mark.usefixtures("fake_engine")
+
+CHECKS = """\
+version: 1
+defaults:
+  engine: fake
+  model: tiny.gguf
+  params: {tokens: 400, cap: 64}
+checks:
+  - name: toy-sink
+    policy: sink
+    params: {sinks: 1}
+    budgets: {max_ppl_increase_pct: 20}
+  - name: toy-window
+    policy: window
+    budgets: {max_ppl_increase_pct: 5}
+    expect: violation
+    reason: the toy forgets once its sink is gone
+"""
+
+
+@pytest.fixture
+def models(gate: pytest.Pytester) -> pytest.Pytester:
+    """tiny.gguf (the checks' model), a same-facts copy, and a candidate with one KV head that
+    ignores the cap."""
+    write_model(gate.path / "tiny.gguf")
+    shutil.copy(gate.path / "tiny.gguf", gate.path / "tiny-copy.gguf")
+    write_model(gate.path / "tiny-nocap.gguf", kv_heads=1)
+    gate.makefile(".yaml", budgets=CHECKS)
+    return gate
+
+
+def test_a_candidate_that_regresses_fails_with_facts_and_both_runs(
+    models: pytest.Pytester,
+) -> None:
+    result = models.runpytest(
+        "--kvguard", "budgets.yaml", "--kvguard-against-model", "tiny.gguf=tiny-nocap.gguf",
+        "--kvguard-json", "report.json",
+    )  # fmt: skip
+    result.assert_outcomes(failed=2)
+    result.stdout.fnmatch_lines([
+        "kvguard model preview: checks on tiny.gguf also run on tiny-nocap.gguf (*tiny-nocap.gguf)",
+        "  KV heads: 2 -> 1",
+        "  sha256: * -> *",
+    ])  # fmt: skip
+    result.stdout.fnmatch_lines([
+        "*regressed against model tiny.gguf (model preview): *kv_entries 64 -> 400*"
+        "[[]since model tiny.gguf (model preview): model tiny.gguf -> tiny-nocap.gguf, sha256 *",
+        "*kvguard: changed since the model preview's other run: model tiny.gguf -> tiny-nocap*",
+        "model preview (model tiny.gguf -> tiny-nocap.gguf):",
+        "toy-sink * kv_bytes * 4,096 * 25,600 * FAIL",
+        "* kv_entries * 64 * 400 *",
+    ])  # fmt: skip
+    report = json.loads((models.path / "report.json").read_text())
+    (diff,) = report["model_preview"]
+    assert diff["model"] == "tiny.gguf" and diff["candidate"] == "tiny-nocap.gguf"
+    assert {"fact": "KV heads", "model": "2", "candidate": "1"} in diff["differences"]
+    rows = {row["name"]: row for row in report["checks"]}
+    sink = rows["toy-sink"]
+    assert sink["model"] == "tiny-nocap.gguf" and sink["against"]["model"] == "tiny.gguf"
+    assert sink["metrics"]["kv_entries"] == 400 and sink["against"]["metrics"]["kv_entries"] == 64
+    assert sink["model_sha256"] != sink["against"]["model_sha256"]
+    assert sink["verdict"] == "FAIL" and sink["against"]["verdict"] == "PASS"
+    # A cache that never evicts never loses the sink: the negative control no longer catches.
+    assert rows["toy-window"]["verdict"] == "MISSED"
+    assert rows["toy-window"]["baseline_status"] == "not compared (negative control)"
+
+
+def test_a_candidate_with_the_same_facts_passes_and_says_so(models: pytest.Pytester) -> None:
+    result = models.runpytest(
+        "--kvguard", "budgets.yaml", "--kvguard-against-model", "tiny.gguf=tiny-copy.gguf",
+    )  # fmt: skip
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines([
+        "kvguard model preview: checks on tiny.gguf also run on tiny-copy.gguf *",
+        "  no cache-relevant fact differs",
+        "model preview (model tiny.gguf -> tiny-copy.gguf):",
+        "toy-sink * (no compared figure changed) * PASS",
+    ])  # fmt: skip
+
+
+def test_against_models_in_the_budgets_file_and_the_command_line_over_it(
+    models: pytest.Pytester,
+) -> None:
+    models.makefile(".yaml", budgets=CHECKS + "against_models:\n  tiny.gguf: tiny-nocap.gguf\n")
+    models.runpytest("--kvguard", "budgets.yaml").assert_outcomes(failed=2)
+    overridden = models.runpytest(
+        "--kvguard", "budgets.yaml", "--kvguard-against-model", "tiny.gguf=tiny-copy.gguf"
+    )
+    overridden.assert_outcomes(passed=2)
+    overridden.stdout.fnmatch_lines(["*checks on tiny.gguf also run on tiny-copy.gguf*"])
+
+
+def test_the_ini_twin(models: pytest.Pytester) -> None:
+    models.makeini("[pytest]\nkvguard_against_model =\n    tiny.gguf=tiny-nocap.gguf\n")
+    models.runpytest("--kvguard", "budgets.yaml").assert_outcomes(failed=2)
+
+
+def test_an_engine_that_cannot_load_the_candidate_runs_once_and_says_not_previewed(
+    models: pytest.Pytester,
+) -> None:
+    write_folder(models.path / "mlx-folder", MLX_CONFIG, MLX_TOKENIZER)
+    result = models.runpytest(
+        "--kvguard", "budgets.yaml", "--kvguard-against-model", "tiny.gguf=mlx-folder",
+        "--kvguard-json", "report.json",
+    )  # fmt: skip
+    result.assert_outcomes(passed=2)
+    rows = json.loads((models.path / "report.json").read_text())["checks"]
+    assert {row["baseline_status"] for row in rows} == {
+        "not previewed: engine fake cannot load a model folder (mlx-folder)"
+    }
+    assert all(row["against"] is None for row in rows)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["tiny.gguf"], "--kvguard-against-model tiny.gguf: expected NAME=PATH (fix: write *"),
+        (["other.gguf=tiny-copy.gguf"], "--kvguard-against-model other.gguf=tiny-copy.gguf: no "
+         "check runs on model 'other.gguf' (fix: name a model the checks use: tiny.gguf)"),
+        (["tiny.gguf=missing.gguf"], "--kvguard-against-model tiny.gguf=missing.gguf: candidate "
+         "model file 'missing.gguf' not found*"),
+        (["tiny.gguf=bad.gguf"], "--kvguard-against-model tiny.gguf=bad.gguf: candidate *bad.gguf "
+         "is not a readable GGUF file: it starts with b'PK*', not the GGUF magic*"),
+        (["tiny.gguf=cut.gguf"], "*candidate *cut.gguf is not a readable GGUF file: tensor "
+         "token_embd.weight's data runs past the end of the file*"),
+        (["tiny.gguf=empty-folder"],
+         "*candidate *empty-folder: no config.json in the model folder*"),
+        (["tiny.gguf=tiny-copy.gguf", "--kvguard-baseline=report.json"],
+         "*--kvguard-against-model and --kvguard-baseline each give the run something to be "
+         "judged against (fix: use one of them)"),
+    ],
+)  # fmt: skip
+def test_bad_input_is_one_line_naming_what_and_the_fix(
+    models: pytest.Pytester, args: list[str], message: str
+) -> None:
+    (models.path / "bad.gguf").write_bytes(b"PK\x03\x04 a zip file")
+    whole = (models.path / "tiny.gguf").read_bytes()
+    (models.path / "cut.gguf").write_bytes(whole[: len(whole) - 8])
+    (models.path / "empty-folder").mkdir()
+    if any(a.startswith("--kvguard-baseline") for a in args):
+        models.runpytest("--kvguard", "budgets.yaml", "--kvguard-json", "report.json")
+    result = models.runpytest(
+        "--kvguard", "budgets.yaml", "--kvguard-against-model", args[0], *args[1:]
+    )
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"ERROR: {message}"])
+    assert "Traceback" not in result.stderr.str()
+
+
+def test_a_bad_against_models_entry_names_the_budgets_file_and_line(
+    models: pytest.Pytester,
+) -> None:
+    models.makefile(".yaml", budgets=CHECKS + "against_models:\n  tiny.gguf: missing.gguf\n")
+    result = models.runpytest("--kvguard", "budgets.yaml")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        ["ERROR: *budgets.yaml:17: against_models: candidate model file 'missing.gguf' not found*"]
+    )

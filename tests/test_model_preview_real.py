@@ -1,0 +1,72 @@
+"""The model preview on the real bundled SmolLM2 and a Q8_0 re-quantization of it made here
+with llama.cpp's own quantizer (``kvguard-quantize``, a few seconds): the facts diff, then each
+check on both files through the real llama.cpp engine."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("llama_cpp")
+
+from pytest_kvguard.cli.quantize import main as quantize  # noqa: E402
+
+CHECKS = """\
+version: 1
+defaults: {engine: llama_cpp, model: smollm2-135m}
+checks:
+  - name: sink4-stream
+    policy: sink
+    params: {tokens: 300, cap: 128, sinks: 4}
+    budgets: {max_ppl_increase_pct: 40}
+  - name: sink4-memory
+    scenario: memory
+    policy: sink
+    params: {cap: 128, sinks: 4, lengths: [128, 192]}
+    budgets: {bounded: true}
+"""
+
+
+@pytest.fixture(scope="module")
+def q8_candidate(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("candidate") / "smollm2-135m-Q8_0.gguf"
+    assert quantize(["smollm2-135m", "Q8_0", str(path)]) == 0
+    return path
+
+
+def test_a_requantized_smollm2_previewed_through_llama_cpp(
+    pytester: pytest.Pytester, q8_candidate: Path
+) -> None:
+    pytester.makefile(".yaml", budgets=CHECKS)
+    result = pytester.runpytest_subprocess(
+        "--kvguard", "budgets.yaml", f"--kvguard-against-model=smollm2-135m={q8_candidate}",
+        "--kvguard-json", "report.json",
+    )  # fmt: skip
+    result.stdout.fnmatch_lines([
+        f"kvguard model preview: checks on smollm2-135m also run on {q8_candidate} *",
+        "  weight type: Q4_1 -> Q8_0",
+        "  sha256: b179c9523d0e6a0f -> *",
+        "  tutor chat, first 200 rendered tokens: the same",
+    ])  # fmt: skip
+    report = json.loads((pytester.path / "report.json").read_text())
+    (diff,) = report["model_preview"]
+    # Only the weights changed: every other cache-relevant fact is the same.
+    assert [d["fact"] for d in diff["differences"]] == ["weight type", "sha256"]
+    rows = {row["name"]: row for row in report["checks"]}
+    for row in rows.values():
+        assert row["model_path"] == str(q8_candidate)
+        assert row["against"]["model"] == "smollm2-135m"
+        assert row["model_sha256"] != row["against"]["model_sha256"]
+    memory = rows["sink4-memory"]
+    # The KV cache is f16 whatever the weights: the same bytes on both files.
+    assert memory["metrics"]["kv_bytes"] == memory["against"]["metrics"]["kv_bytes"] > 0
+    stream = rows["sink4-stream"]
+    # Q8_0 from Q4_1 holds nearly the same weights: other perplexities, by little.
+    now, then = (
+        stream["metrics"]["post_eviction_ppl"],
+        stream["against"]["metrics"]["post_eviction_ppl"],
+    )
+    assert now != then and abs(now - then) / then < 0.02
+    assert {row["verdict"] for row in rows.values()} == {"PASS"} and result.ret == 0
