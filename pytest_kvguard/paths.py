@@ -23,11 +23,13 @@ def resolve_under(spec: str, base_dir: Path) -> Path:
 
 
 def cached_per_file(read: Callable[[Path], T]) -> Callable[[Path], T]:
-    """``read(path)`` computed once per version of the file: keyed by its absolute path, size
-    and modification time, so the same relative path seen from another directory, or a file
-    rewritten in place, is read again (a plain ``functools.cache`` on the path would not).
+    """``read(path)`` computed once per version of the file: keyed by the path as given, its
+    absolute path, size and modification time, so the same relative path seen from another
+    directory, or a file rewritten in place, is read again (a plain ``functools.cache`` on
+    the path would not).
     A path that cannot be stat'ed is passed through uncached, for ``read`` to report."""
-    by_version: dict[tuple[Path, int, int], T] = {}
+    # The path as given is in the key too: what ``read`` returns may quote it.
+    by_version: dict[tuple[Path, Path, int, int], T] = {}
 
     @functools.wraps(read)
     def cached(path: Path) -> T:
@@ -35,7 +37,7 @@ def cached_per_file(read: Callable[[Path], T]) -> Callable[[Path], T]:
             stat = path.stat()
         except OSError:
             return read(path)
-        key = (path.resolve(), stat.st_size, stat.st_mtime_ns)
+        key = (path, path.resolve(), stat.st_size, stat.st_mtime_ns)
         if key not in by_version:
             by_version[key] = read(path)
         return by_version[key]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
+from typing import Any
 
 import pytest
 from test_model_facts import MLX_CONFIG, MLX_TOKENIZER, write_folder, write_model
@@ -124,14 +126,75 @@ def test_an_engine_that_cannot_load_the_candidate_runs_once_and_says_not_preview
         "not previewed: engine fake cannot load a model folder (mlx-folder)"
     }
     assert all(row["against"] is None for row in rows)
+    # Every check passed, but the preview compared nothing: the run does not pass.
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["kvguard: model preview compared nothing on mlx-folder: *"])
+
+
+def test_a_preview_whose_checks_are_all_deselected_fails_and_says_why(
+    models: pytest.Pytester,
+) -> None:
+    write_model(models.path / "other.gguf")
+    other = (
+        "  - name: toy-other\n    model: other.gguf\n    policy: sink\n"
+        "    budgets: {max_ppl_increase_pct: 20}\n"
+    )
+    models.makefile(".yaml", budgets=CHECKS + other)
+    result = models.runpytest(
+        "--kvguard", "budgets.yaml", "--kvguard-against-model", "tiny.gguf=tiny-copy.gguf",
+        "-k", "toy-other", "--kvguard-json", "report.json",
+    )  # fmt: skip
+    result.assert_outcomes(passed=1)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines([
+        "kvguard: model preview compared nothing on tiny-copy.gguf: no selected check on "
+        "tiny.gguf ran on it (fix: *"
+    ])  # fmt: skip
+    report = json.loads((models.path / "report.json").read_text())
+    assert report["pytest_exitstatus"] == 1 and report["verdict"] == "fail"
+
+
+def test_the_model_is_matched_by_file_however_it_is_spelled(models: pytest.Pytester) -> None:
+    spelled = str(models.path / "." / "tiny.gguf")
+    result = models.runpytest(
+        "--kvguard", "budgets.yaml", "--kvguard-against-model", f"{spelled}=tiny-nocap.gguf"
+    )
+    result.assert_outcomes(failed=2)
+
+
+def test_an_architecture_an_engine_does_not_declare_is_not_previewed() -> None:
+    from types import SimpleNamespace
+
+    from pytest_kvguard.gate.model_preview import ModelSwap, not_previewed
+    from pytest_kvguard.inputs.models import ModelRef
+
+    swap = ModelSwap("smollm2-135m", Path("/m.gguf"), ModelRef("q.gguf", Path("/q.gguf")),
+                     "qwen2", "--kvguard-against-model smollm2-135m=q.gguf")  # fmt: skip
+    check: Any = SimpleNamespace(engines=("mlx",))
+    assert not_previewed(check, swap) == (
+        "not previewed: engine mlx cannot load GGUF architecture 'qwen2' (q.gguf)"
+    )
+    check = SimpleNamespace(engines=("llama_cpp",))  # llama.cpp's own list is asked at parse time
+    assert not_previewed(check, swap) is None
 
 
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (["tiny.gguf"], "--kvguard-against-model tiny.gguf: expected NAME=PATH (fix: write *"),
-        (["other.gguf=tiny-copy.gguf"], "--kvguard-against-model other.gguf=tiny-copy.gguf: no "
-         "check runs on model 'other.gguf' (fix: name a model the checks use: tiny.gguf)"),
+        (["tiny-copy.gguf=tiny-nocap.gguf"], "--kvguard-against-model tiny-copy.gguf=tiny-nocap"
+         ".gguf: no check runs on model 'tiny-copy.gguf' (*tiny-copy.gguf) (fix: name a model "
+         "the checks use: tiny.gguf)"),
+        (["missing.gguf=tiny-copy.gguf"], "--kvguard-against-model missing.gguf=tiny-copy.gguf: "
+         "model file 'missing.gguf' not found*"),
+        (["tiny.gguf=./tiny.gguf"], "--kvguard-against-model tiny.gguf=./tiny.gguf: the "
+         "candidate is tiny.gguf's own file (*tiny.gguf): the preview would compare the model "
+         "with itself (fix: give the new file (kvguard-quantize writes one))"),
+        (["org/model=tiny-copy.gguf"], "--kvguard-against-model org/model=tiny-copy.gguf: model "
+         "'org/model' is a hub id: a model preview reads both models' files, and those are not "
+         "here (fix: *)"),
+        (["tiny.gguf=http://localhost:8080"], "*: candidate 'http://localhost:8080' is a server's "
+         "URL: a model preview reads both models' files*"),
         (["tiny.gguf=missing.gguf"], "--kvguard-against-model tiny.gguf=missing.gguf: candidate "
          "model file 'missing.gguf' not found*"),
         (["tiny.gguf=bad.gguf"], "--kvguard-against-model tiny.gguf=bad.gguf: candidate *bad.gguf "

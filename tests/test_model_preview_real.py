@@ -70,3 +70,20 @@ def test_a_requantized_smollm2_previewed_through_llama_cpp(
     )
     assert now != then and abs(now - then) / then < 0.02
     assert {row["verdict"] for row in rows.values()} == {"PASS"} and result.ret == 0
+
+
+def test_quantize_bad_input_is_one_line_and_leaves_no_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    not_gguf = tmp_path / "not-a-model.gguf"
+    not_gguf.write_bytes(b"GGUF but nothing after the magic")
+    output = tmp_path / "out.gguf"
+    assert quantize([str(not_gguf), "Q8_0", str(output)]) == 2
+    assert "error: llama.cpp could not quantize" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == [not_gguf]  # no out.gguf, no out.gguf.partial
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    assert quantize(["smollm2-135m", "Q8_0", str(blocked / "out.gguf")]) == 2
+    assert capsys.readouterr().err.startswith(f"error: cannot create {blocked}: ")
+    assert quantize(["smollm2-135m", "Q9_9", str(output)]) == 2
+    assert "unknown file type 'Q9_9' (fix: use one of: " in capsys.readouterr().err

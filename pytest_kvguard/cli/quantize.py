@@ -50,16 +50,28 @@ def quantize(source: Path, kind: str, output: Path) -> float:
         )
     if output.resolve() == source.resolve():
         raise KvguardError(f"{output} is the model itself", fix="write the candidate elsewhere")
-    output.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise KvguardError(
+            f"cannot create {output.parent}: {exc.strerror}", fix="write OUTPUT somewhere writable"
+        ) from None
     params = lc.llama_model_quantize_default_params()
     params.ftype, params.allow_requantize = types[kind.upper()], True
+    # Written under a temporary name and renamed when whole: a failed or interrupted run
+    # leaves no half-written .gguf that looks like a candidate.
+    partial = output.with_name(output.name + ".partial")
     started = time.monotonic()
-    if lc.llama_model_quantize(str(source).encode(), str(output).encode(), params) != 0:
-        raise KvguardError(
-            f"llama.cpp could not quantize {source} to {kind}",
-            fix="check that the file loads (kvguard-model-facts FILE) and that there is room "
-            f"for {output}",
-        )
+    try:
+        if lc.llama_model_quantize(str(source).encode(), str(partial).encode(), params) != 0:
+            raise KvguardError(
+                f"llama.cpp could not quantize {source} to {kind}",
+                fix="check that the file loads (kvguard-model-facts FILE) and that there is "
+                f"room for {output}",
+            )
+        partial.replace(output)
+    finally:
+        partial.unlink(missing_ok=True)
     return time.monotonic() - started
 
 

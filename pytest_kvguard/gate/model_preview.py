@@ -19,6 +19,7 @@ from typing import Any
 from pytest_kvguard.engines import ENGINES
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.inputs.model_facts import (
+    FactDifference,
     chat_token_line,
     diff_facts,
     diff_lines,
@@ -33,8 +34,13 @@ class ModelSwap:
     """A model the checks use and the candidate previewed in its place."""
 
     model: str
-    """The model as checks name it: a bundled name, or a path as the budgets file writes it."""
+    """The model as the swap names it: a bundled name, or a path as written."""
+    model_path: Path
+    """The file or folder ``model`` names, resolved once where the swap was given (a path
+    from the budgets file's folder, the current directory or rootdir), absolute."""
     candidate: ModelRef
+    candidate_architecture: str | None
+    """The candidate GGUF's ``general.architecture``; None for a folder."""
     given: str
     """Where the swap was given (``--kvguard-against-model a=b``, ``budgets.yaml:12``), for
     messages."""
@@ -57,42 +63,65 @@ def parse_model_swaps(values: Iterable[str], written_as: str, base_dir: Path) ->
 
 
 def model_swap(model: str, candidate: str, base_dir: Path, given: str) -> ModelSwap:
-    """One swap, its candidate checked to be a model kvguard can read."""
+    """One swap: both sides local files or folders kvguard can read, and not the same one."""
     try:
-        ref = parse_model(candidate, base_dir)
-        if ref.form in ("hub", "url"):
-            raise KvguardError(
-                f"a {ref.form} model cannot be previewed (its files are not here to compare)",
-                fix="give a .gguf file or a model folder",
-            )
-        read_model_facts(ref.resolve())
+        model_ref = parse_model(model, base_dir)
+    except KvguardError as exc:
+        raise KvguardError(f"{given}: {exc}", fix=None) from None
+    try:
+        candidate_ref = parse_model(candidate, base_dir)
     except KvguardError as exc:
         raise KvguardError(f"{given}: candidate {exc}", fix=None) from None
-    return ModelSwap(model, ref, given)
+    model_path = _local_files(model_ref, "model", given).resolve()
+    try:
+        facts = read_model_facts(_local_files(candidate_ref, "candidate", given))
+    except KvguardError as exc:
+        raise KvguardError(f"{given}: candidate {exc}", fix=None) from None
+    if candidate_ref.resolve().resolve() == model_path:
+        raise KvguardError(
+            f"{given}: the candidate is {model}'s own file ({model_path}): the preview would "
+            "compare the model with itself",
+            fix="give the new file (kvguard-quantize writes one)",
+        )
+    architecture = facts.architecture if candidate_ref.form == "gguf" else None
+    return ModelSwap(model, model_path, candidate_ref, architecture, given)
+
+
+def _local_files(ref: ModelRef, side: str, given: str) -> Path:
+    """The model's file or folder; a hub id or a server's URL is refused: the preview reads
+    both sides' files before any run, and those are not here."""
+    if ref.form in ("hub", "url"):
+        what = "a hub id" if ref.form == "hub" else "a server's URL"
+        raise KvguardError(
+            f"{given}: {side} '{ref.name}' is {what}: a model preview reads both models' "
+            "files, and those are not here",
+            fix="give a bundled model name, a .gguf file or a model folder on this machine",
+        )
+    try:
+        return ref.resolve()
+    except KvguardError as exc:  # a bundled model that is not installed
+        raise KvguardError(f"{given}: {side} {exc}", fix=None) from None
 
 
 def merge_swaps(
     command_line: Sequence[ModelSwap], budgets_file: Sequence[ModelSwap]
 ) -> list[ModelSwap]:
-    """The command line's (or ini's) swaps over the budgets file's, model by model."""
-    chosen = {swap.model: swap for swap in budgets_file}
-    chosen.update({swap.model: swap for swap in command_line})
+    """The command line's (or ini's) swaps over the budgets file's, model file by model file
+    (however each spells the model)."""
+    chosen = {swap.model_path: swap for swap in budgets_file}
+    chosen.update({swap.model_path: swap for swap in command_line})
     return list(chosen.values())
 
 
 def uses(check: Check[Any], swap: ModelSwap) -> bool:
-    """Whether the check runs on the swap's model (by name, or by the file it resolves to)."""
-    if check.model.name == swap.model:
-        return True
-    try:
-        return check.model.form != "url" and _same_file(check.model.resolve(), swap.model)
-    except KvguardError:
+    """Whether the check runs on the swap's model: the file or folder its model resolves to
+    (a bundled name resolves to the installed file)."""
+    if check.model.form not in ("gguf", "folder"):
         return False
-
-
-def _same_file(path: Path, written: str) -> bool:
-    other = Path(written).expanduser()
-    return other.exists() and path.exists() and path.resolve() == other.resolve()
+    try:
+        return check.model.resolve().resolve() == swap.model_path
+    except KvguardError:
+        return False  # the check's own run says why its model is missing
 
 
 def swap_for(check: Check[Any], swaps: Sequence[ModelSwap]) -> ModelSwap | None:
@@ -105,17 +134,25 @@ def check_swaps(swaps: Sequence[ModelSwap], checks: Sequence[Check[Any]]) -> Non
         if not any(uses(check, swap) for check in checks):
             models = sorted({check.model.name for check in checks})
             raise KvguardError(
-                f"{swap.given}: no check runs on model '{swap.model}'",
+                f"{swap.given}: no check runs on model '{swap.model}' ({swap.model_path})",
                 fix="name a model the checks use: " + ", ".join(models),
             )
 
 
 def not_previewed(check: Check[Any], swap: ModelSwap) -> str | None:
-    """Why the check cannot run on the candidate (an engine that cannot load it), else None."""
+    """Why the check cannot run on the candidate (an engine that cannot load its form or, by
+    what the engine declares, its architecture), else None."""
     for engine in check.engines:
-        if swap.candidate.form not in ENGINES[engine].model_forms:
+        info = ENGINES[engine]
+        if swap.candidate.form not in info.model_forms:
             return (
                 f"not previewed: engine {engine} cannot load a model {swap.candidate.form} "
+                f"({swap.candidate.name})"
+            )
+        known, arch = info.gguf_architectures, swap.candidate_architecture
+        if known is not None and arch is not None and arch not in known:
+            return (
+                f"not previewed: engine {engine} cannot load GGUF architecture '{arch}' "
                 f"({swap.candidate.name})"
             )
     return None
@@ -134,13 +171,12 @@ class FactsDiff:
     model_path: str
     candidate: str
     candidate_path: str
-    differences: list[dict[str, str]]
+    differences: list[FactDifference]
     chat_tokens: str | None
 
     def lines(self) -> list[str]:
         """The header's lines: the swap, then one indented line per fact that differs."""
-        facts = [f"{d['fact']}: {d['model']} -> {d['candidate']}" for d in self.differences]
-        body = facts or diff_lines([])
+        body = diff_lines(self.differences)
         where = "" if self.candidate == self.candidate_path else f" ({self.candidate_path})"
         return [
             f"kvguard model preview: checks on {self.model} also run on {self.candidate}{where}",
@@ -153,26 +189,22 @@ class FactsDiff:
             "model_path": self.model_path,
             "candidate": self.candidate,
             "candidate_path": self.candidate_path,
-            "differences": self.differences,
+            "differences": [
+                {"fact": d.fact, "model": d.before, "candidate": d.after} for d in self.differences
+            ],
             "chat_tokens": self.chat_tokens,
         }
 
 
-def facts_diff(swap: ModelSwap, checks: Sequence[Check[Any]]) -> FactsDiff:
-    """The facts that differ between the swap's model (as the first check on it resolves it,
-    else as its name resolves from the current directory) and the candidate."""
-    using = next((check for check in checks if uses(check, swap)), None)
-    model = using.model if using else parse_model(swap.model, Path.cwd())
-    model_path, candidate_path = model.resolve(), swap.candidate.resolve()
-    before, after = read_model_facts(model_path), read_model_facts(candidate_path)
+def facts_diff(swap: ModelSwap) -> FactsDiff:
+    """The facts that differ between the swap's model and the candidate."""
+    candidate_path = swap.candidate.resolve()
+    before, after = read_model_facts(swap.model_path), read_model_facts(candidate_path)
     return FactsDiff(
         swap.model,
-        str(model_path),
+        str(swap.model_path),
         swap.candidate.name,
         str(candidate_path),
-        [
-            {"fact": d.fact, "model": d.before, "candidate": d.after}
-            for d in diff_facts(before, after)
-        ],  # fmt: skip
+        diff_facts(before, after),
         chat_token_line(before, after),
     )

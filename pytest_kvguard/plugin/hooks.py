@@ -171,9 +171,13 @@ def _model_swaps(
     (read now, before any run)."""
     given = list_setting(config, "kvguard_against_model")
     # Command-line paths are relative to the current directory, ini lines to rootdir.
-    base = Path.cwd() if config.getoption("kvguard_against_model") else config.rootpath
+    on_command_line = bool(config.getoption("kvguard_against_model"))
     swaps = merge_swaps(
-        parse_model_swaps(given, "--kvguard-against-model", base),
+        parse_model_swaps(
+            given,
+            "--kvguard-against-model" if on_command_line else "ini kvguard_against_model =",
+            Path.cwd() if on_command_line else config.rootpath,
+        ),
         budgets_file.model_swaps if budgets_file else (),
     )
     checks = list(budgets_file.checks) if budgets_file else []
@@ -187,7 +191,7 @@ def _model_swaps(
                 except KvguardError as exc:
                     raise KvguardError(f"{swap.given}: candidate {exc}") from None
     config.stash[MODEL_SWAPS_KEY] = swaps
-    config.stash[FACTS_DIFFS_KEY] = [facts_diff(swap, checks) for swap in swaps]
+    config.stash[FACTS_DIFFS_KEY] = [facts_diff(swap) for swap in swaps]
     return swaps
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from pytest_kvguard.gate.baseline import render_preview
+from pytest_kvguard.gate.model_preview import FactsDiff
 from pytest_kvguard.gate.outcome import CheckError, Outcome, Row, row_from_json
 from pytest_kvguard.gate.plot import write_plots
 from pytest_kvguard.gate.report import build_report, machine, render_table, step_summary, write_json
@@ -46,6 +47,8 @@ class KvguardReporter:
         self.plot = plot
         self.json_error: str | None = None
         self.plot_paths: list[Path] = []
+        self.uncompared: list[FactsDiff] = []
+        """The model preview's swaps nothing was compared on (set at session end)."""
 
     def expect(self, node_ids: list[str]) -> None:
         self.expected.update(node_ids)
@@ -66,6 +69,10 @@ class KvguardReporter:
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
         if self.config.option.collectonly:
             return  # nothing ran: a report would read as a gate run with no check in it
+        self.uncompared = self._uncompared_swaps()
+        if self.uncompared and session.exitstatus == pytest.ExitCode.OK:
+            # A model preview that compared nothing must not read as a preview that passed.
+            session.exitstatus = exitstatus = pytest.ExitCode.TESTS_FAILED
         self._write_step_summary(int(exitstatus))
         if self.json_path is None:
             return
@@ -91,6 +98,14 @@ class KvguardReporter:
         except OSError as exc:
             self.json_error = f"cannot write {exc.filename or self.json_path}: {exc.strerror}"
             session.exitstatus = pytest.ExitCode.INTERNAL_ERROR
+
+    def _uncompared_swaps(self) -> list[FactsDiff]:
+        """The model preview's swaps that no row was judged against (no check on the model
+        was selected, or none could run on the candidate)."""
+        rows = self.all_rows()
+        compared = {row.model for row in rows if isinstance(row, Outcome) and row.against}
+        swaps: list[FactsDiff] = self.config.stash.get(FACTS_DIFFS_KEY, [])
+        return [diff for diff in swaps if diff.candidate not in compared]
 
     def _write_step_summary(self, exitstatus: int) -> None:
         """On GitHub Actions ($GITHUB_STEP_SUMMARY set): the tables as Markdown, appended."""
@@ -149,6 +164,13 @@ class KvguardReporter:
             terminalreporter.write_line(
                 f"kvguard: {len(lost)} check(s) lost to an engine worker that died or hung (the "
                 "worker was restarted for the others): " + ", ".join(lost),
+                red=True,
+            )
+        for diff in self.uncompared:
+            terminalreporter.write_line(
+                f"kvguard: model preview compared nothing on {diff.candidate}: no selected "
+                f"check on {diff.model} ran on it (fix: select checks on {diff.model} whose "
+                "engines can load the candidate; each check's row says why it was not previewed)",
                 red=True,
             )
         missing = self.missing()
