@@ -77,6 +77,7 @@ def test_a_candidate_that_regresses_fails_with_facts_and_both_runs(
     assert sink["metrics"]["kv_entries"] == 400 and sink["against"]["metrics"]["kv_entries"] == 64
     assert sink["model_sha256"] != sink["against"]["model_sha256"]
     assert sink["verdict"] == "FAIL" and sink["against"]["verdict"] == "PASS"
+    assert diff["compared_checks"] == 2  # the negative control runs on both too (MISSED)
     # A cache that never evicts never loses the sink: the negative control no longer catches.
     assert rows["toy-window"]["verdict"] == "MISSED"
     assert rows["toy-window"]["baseline_status"] == "not compared (negative control)"
@@ -132,8 +133,9 @@ def test_an_engine_that_cannot_load_the_candidate_runs_once_and_says_not_preview
 
 
 def test_a_preview_whose_checks_are_all_deselected_fails_and_says_why(
-    models: pytest.Pytester,
+    models: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(models.path / "summary.md"))
     write_model(models.path / "other.gguf")
     other = (
         "  - name: toy-other\n    model: other.gguf\n    policy: sink\n"
@@ -152,6 +154,35 @@ def test_a_preview_whose_checks_are_all_deselected_fails_and_says_why(
     ])  # fmt: skip
     report = json.loads((models.path / "report.json").read_text())
     assert report["pytest_exitstatus"] == 1 and report["verdict"] == "fail"
+    assert report["model_preview"][0]["compared_checks"] == 0
+    summary = (models.path / "summary.md").read_text()
+    assert "## kvguard: FAIL" in summary and "model preview compared nothing" in summary
+
+
+def test_a_budgets_file_swap_does_not_fail_a_run_that_selects_no_check_on_its_model(
+    models: pytest.Pytester,
+) -> None:
+    write_model(models.path / "other.gguf")
+    other = (
+        "  - name: toy-other\n    model: other.gguf\n    policy: sink\n"
+        "    budgets: {max_ppl_increase_pct: 20}\n"
+    )
+    models.makefile(
+        ".yaml", budgets=CHECKS + other + "against_models:\n  tiny.gguf: tiny-copy.gguf\n"
+    )
+    result = models.runpytest("--kvguard", "budgets.yaml", "-k", "toy-other")
+    result.assert_outcomes(passed=1)
+    assert result.ret == pytest.ExitCode.OK
+
+
+def test_the_command_line_overrides_a_budgets_file_candidate_without_reading_it(
+    models: pytest.Pytester,
+) -> None:
+    models.makefile(".yaml", budgets=CHECKS + "against_models:\n  tiny.gguf: not-built-yet.gguf\n")
+    result = models.runpytest(
+        "--kvguard", "budgets.yaml", "--kvguard-against-model", "tiny.gguf=tiny-copy.gguf"
+    )
+    result.assert_outcomes(passed=2)
 
 
 def test_the_model_is_matched_by_file_however_it_is_spelled(models: pytest.Pytester) -> None:
@@ -193,8 +224,13 @@ def test_an_architecture_an_engine_does_not_declare_is_not_previewed() -> None:
         (["org/model=tiny-copy.gguf"], "--kvguard-against-model org/model=tiny-copy.gguf: model "
          "'org/model' is a hub id: a model preview reads both models' files, and those are not "
          "here (fix: *)"),
-        (["tiny.gguf=http://localhost:8080"], "*: candidate 'http://localhost:8080' is a server's "
-         "URL: a model preview reads both models' files*"),
+        (["tiny.gguf=http://localhost:8080"], "--kvguard-against-model tiny.gguf=http://localhost"
+         ":8080: candidate 'http://localhost:8080' is a server's URL: a model preview reads both "
+         "models' files, and those are not here (fix: *)"),
+        (["tiny.gguf=tiny-copy.gguf", "--kvguard-against-model", "./tiny.gguf=tiny-nocap.gguf"],
+         "--kvguard-against-model ./tiny.gguf=tiny-nocap.gguf: model *tiny.gguf already has a "
+         "candidate (--kvguard-against-model tiny.gguf=tiny-copy.gguf) (fix: give one candidate "
+         "per model)"),
         (["tiny.gguf=missing.gguf"], "--kvguard-against-model tiny.gguf=missing.gguf: candidate "
          "model file 'missing.gguf' not found*"),
         (["tiny.gguf=bad.gguf"], "--kvguard-against-model tiny.gguf=bad.gguf: candidate *bad.gguf "

@@ -85,5 +85,7 @@ def test_quantize_bad_input_is_one_line_and_leaves_no_file(
     blocked.write_text("")
     assert quantize(["smollm2-135m", "Q8_0", str(blocked / "out.gguf")]) == 2
     assert capsys.readouterr().err.startswith(f"error: cannot create {blocked}: ")
+    assert quantize(["smollm2-135m", "Q8_0", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {tmp_path} is a folder (fix: ")
     assert quantize(["smollm2-135m", "Q9_9", str(output)]) == 2
     assert "unknown file type 'Q9_9' (fix: use one of: " in capsys.readouterr().err

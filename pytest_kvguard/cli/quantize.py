@@ -11,7 +11,9 @@ Then ``pytest --kvguard BUDGETS --kvguard-against-model MODEL=OUTPUT`` previews 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -58,9 +60,13 @@ def quantize(source: Path, kind: str, output: Path) -> float:
         ) from None
     params = lc.llama_model_quantize_default_params()
     params.ftype, params.allow_requantize = types[kind.upper()], True
-    # Written under a temporary name and renamed when whole: a failed or interrupted run
-    # leaves no half-written .gguf that looks like a candidate.
-    partial = output.with_name(output.name + ".partial")
+    if output.is_dir():
+        raise KvguardError(f"{output} is a folder", fix="give the .gguf file to write")
+    # Written under a temporary name of its own and renamed when whole: a failed or interrupted
+    # run leaves no half-written .gguf that looks like a candidate, and two runs never share it.
+    handle, name = tempfile.mkstemp(prefix=output.name + ".", suffix=".partial", dir=output.parent)
+    os.close(handle)
+    partial = Path(name)
     started = time.monotonic()
     try:
         if lc.llama_model_quantize(str(source).encode(), str(partial).encode(), params) != 0:
@@ -70,6 +76,8 @@ def quantize(source: Path, kind: str, output: Path) -> float:
                 f"room for {output}",
             )
         partial.replace(output)
+    except OSError as exc:
+        raise KvguardError(f"cannot write {output}: {exc.strerror}", fix=None) from None
     finally:
         partial.unlink(missing_ok=True)
     return time.monotonic() - started

@@ -44,7 +44,7 @@ from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.gate.baseline import Tolerance, parse_tolerance, tolerances
 from pytest_kvguard.gate.budgets import unknown_key_error
 from pytest_kvguard.gate.checks import DEFAULT_KEYS, Written, build_check
-from pytest_kvguard.gate.model_preview import ModelSwap, model_swap
+from pytest_kvguard.gate.model_preview import SwapSpec
 from pytest_kvguard.isolation.environments import (
     EVERY_ENGINE,
     Environments,
@@ -89,8 +89,9 @@ class BudgetsFile:
     """The file's own ``engine_python:`` (engine -> the interpreter of the environment it runs
     in) and ``against:`` (engine or ``*`` -> the upgrade preview's other run), before the
     command line's (``engine_environments`` puts those over these)."""
-    model_swaps: tuple[ModelSwap, ...] = ()
-    """The file's ``against_models:`` (model -> candidate), before the command line's."""
+    model_swaps: tuple[SwapSpec, ...] = ()
+    """The file's ``against_models:`` (model -> candidate) as written, before the command
+    line's (``model_preview.model_swaps`` reads them)."""
 
 
 def load_budgets_file(path: Path, command_line: Environments | None = None) -> BudgetsFile:
@@ -188,7 +189,7 @@ def load_budgets_file(path: Path, command_line: Environments | None = None) -> B
     )
 
 
-def _model_swaps(document: Written, path: Path) -> tuple[ModelSwap, ...]:
+def _model_swaps(document: Written, path: Path) -> tuple[SwapSpec, ...]:
     """``against_models:``: model as the checks name it -> candidate, relative to the file."""
     key = "against_models"
     section = document.get(key)
@@ -204,7 +205,8 @@ def _model_swaps(document: Written, path: Path) -> tuple[ModelSwap, ...]:
                 f"{key}.{model} must be a path, got {candidate!r}", path=path, line=line,
                 fix="write the candidate's .gguf file or model folder",
             )  # fmt: skip
-        swaps.append(model_swap(str(model), candidate, path.parent, f"{path}:{line}: {key}"))
+        given = f"{path}:{line}: {key}"
+        swaps.append(SwapSpec(str(model), candidate, path.parent, given, from_budgets_file=True))
     return tuple(swaps)
 
 

@@ -1,12 +1,13 @@
 """The model preview: every check on a model run a second time on a candidate file or folder.
 
 ``--kvguard-against-model NAME=PATH`` (ini ``kvguard_against_model``, budgets file
-``against_models:``) names a model the checks use (a bundled name, or a path as the checks
-write it) and the candidate that would replace it (a re-quantized GGUF, a re-exported one, an
-mlx folder). Each check on NAME runs on both; the candidate's run is the check's row and is
-judged against NAME's run with the baseline tolerances, as the upgrade preview judges a new
-engine against the old. Before any run, the header lists the cache-relevant facts that differ
-between the two (``model_facts``), read without loading weights.
+``against_models:``) names a model the checks use (a bundled name, or its file or folder,
+matched to the checks by the file it resolves to) and the candidate that would replace it (a
+re-quantized GGUF, a re-exported one, an mlx folder). Each check on NAME runs on both; the
+candidate's run is the check's row and is judged against NAME's run with the baseline
+tolerances, as the upgrade preview judges a new engine against the old. Before any run, the
+header lists the cache-relevant facts that differ between the two (``model_facts``), read
+without loading weights.
 """
 
 from __future__ import annotations
@@ -30,26 +31,40 @@ from pytest_kvguard.scenarios.base import Check
 
 
 @dataclass(frozen=True)
+class SwapSpec:
+    """A swap as written, before either side is read."""
+
+    model: str
+    candidate: str
+    base_dir: Path
+    """Where relative paths start: the current directory (command line), rootdir (ini), the
+    budgets file's folder (``against_models:``)."""
+    given: str
+    """Where it was written (``--kvguard-against-model a=b``, ``budgets.yaml:12:
+    against_models``), for messages."""
+    from_budgets_file: bool = False
+
+
+@dataclass(frozen=True)
 class ModelSwap:
     """A model the checks use and the candidate previewed in its place."""
 
     model: str
     """The model as the swap names it: a bundled name, or a path as written."""
     model_path: Path
-    """The file or folder ``model`` names, resolved once where the swap was given (a path
-    from the budgets file's folder, the current directory or rootdir), absolute."""
+    """The file or folder ``model`` names, resolved from the spec's ``base_dir``, absolute."""
     candidate: ModelRef
     candidate_architecture: str | None
     """The candidate GGUF's ``general.architecture``; None for a folder."""
     given: str
-    """Where the swap was given (``--kvguard-against-model a=b``, ``budgets.yaml:12``), for
-    messages."""
+    from_budgets_file: bool = False
+    """A budgets file's standing swap: a run that selects no check on its model (``-k``) is
+    not a preview that compared nothing."""
 
 
-def parse_model_swaps(values: Iterable[str], written_as: str, base_dir: Path) -> list[ModelSwap]:
-    """``["smollm2-135m=q8.gguf"]`` -> swaps; the candidate is read now (a file that is not a
-    usable model is one line here, not a failed run later)."""
-    swaps = []
+def parse_model_swaps(values: Iterable[str], written_as: str, base_dir: Path) -> list[SwapSpec]:
+    """``["smollm2-135m=q8.gguf"]`` -> specs (``model_swaps`` reads them)."""
+    specs = []
     for value in values:
         model, sep, candidate = value.partition("=")
         given = f"{written_as} {value}"
@@ -58,33 +73,59 @@ def parse_model_swaps(values: Iterable[str], written_as: str, base_dir: Path) ->
                 f"{given}: expected NAME=PATH",
                 fix=f"write {written_as} smollm2-135m=path/to/candidate.gguf",
             )
-        swaps.append(model_swap(model.strip(), candidate.strip(), base_dir, given))
-    return swaps
+        specs.append(SwapSpec(model.strip(), candidate.strip(), base_dir, given))
+    return specs
 
 
-def model_swap(model: str, candidate: str, base_dir: Path, given: str) -> ModelSwap:
-    """One swap: both sides local files or folders kvguard can read, and not the same one."""
+def model_swaps(
+    command_line: Sequence[SwapSpec], budgets_file: Sequence[SwapSpec]
+) -> list[ModelSwap]:
+    """The command line's (or ini's) swaps over the budgets file's, model file by model file
+    (however each spells the model); then each kept candidate read (a file that is not a
+    usable model is one line now, not a failed run later). A budgets-file candidate that the
+    command line overrides is never read."""
+    chosen: dict[Path, SwapSpec] = {}
+    for spec in command_line:
+        path = _model_path(spec)
+        if path in chosen:
+            raise KvguardError(
+                f"{spec.given}: model {path} already has a candidate ({chosen[path].given})",
+                fix="give one candidate per model",
+            )
+        chosen[path] = spec
+    for spec in budgets_file:
+        chosen.setdefault(_model_path(spec), spec)
+    return [model_swap(spec, path) for path, spec in chosen.items()]
+
+
+def _model_path(spec: SwapSpec) -> Path:
     try:
-        model_ref = parse_model(model, base_dir)
+        ref = parse_model(spec.model, spec.base_dir)
     except KvguardError as exc:
-        raise KvguardError(f"{given}: {exc}", fix=None) from None
+        raise KvguardError(f"{spec.given}: {exc}", fix=None) from None
+    return _local_files(ref, "model", spec.given).resolve()
+
+
+def model_swap(spec: SwapSpec, model_path: Path) -> ModelSwap:
+    """One swap: the candidate a local file or folder kvguard can read, not the model's own."""
     try:
-        candidate_ref = parse_model(candidate, base_dir)
+        candidate = parse_model(spec.candidate, spec.base_dir)
     except KvguardError as exc:
-        raise KvguardError(f"{given}: candidate {exc}", fix=None) from None
-    model_path = _local_files(model_ref, "model", given).resolve()
-    try:
-        facts = read_model_facts(_local_files(candidate_ref, "candidate", given))
-    except KvguardError as exc:
-        raise KvguardError(f"{given}: candidate {exc}", fix=None) from None
-    if candidate_ref.resolve().resolve() == model_path:
+        raise KvguardError(f"{spec.given}: candidate {exc}", fix=None) from None
+    candidate_path = _local_files(candidate, "candidate", spec.given)
+    if candidate_path.resolve() == model_path:
         raise KvguardError(
-            f"{given}: the candidate is {model}'s own file ({model_path}): the preview would "
-            "compare the model with itself",
+            f"{spec.given}: the candidate is {spec.model}'s own file ({model_path}): the "
+            "preview would compare the model with itself",
             fix="give the new file (kvguard-quantize writes one)",
         )
-    architecture = facts.architecture if candidate_ref.form == "gguf" else None
-    return ModelSwap(model, model_path, candidate_ref, architecture, given)
+    try:
+        facts = read_model_facts(candidate_path)
+    except KvguardError as exc:
+        raise KvguardError(f"{spec.given}: candidate {exc}", fix=None) from None
+    architecture = facts.architecture if candidate.form == "gguf" else None
+    return ModelSwap(spec.model, model_path, candidate, architecture, spec.given,
+                     spec.from_budgets_file)  # fmt: skip
 
 
 def _local_files(ref: ModelRef, side: str, given: str) -> Path:
@@ -101,16 +142,6 @@ def _local_files(ref: ModelRef, side: str, given: str) -> Path:
         return ref.resolve()
     except KvguardError as exc:  # a bundled model that is not installed
         raise KvguardError(f"{given}: {side} {exc}", fix=None) from None
-
-
-def merge_swaps(
-    command_line: Sequence[ModelSwap], budgets_file: Sequence[ModelSwap]
-) -> list[ModelSwap]:
-    """The command line's (or ini's) swaps over the budgets file's, model file by model file
-    (however each spells the model)."""
-    chosen = {swap.model_path: swap for swap in budgets_file}
-    chosen.update({swap.model_path: swap for swap in command_line})
-    return list(chosen.values())
 
 
 def uses(check: Check[Any], swap: ModelSwap) -> bool:
@@ -173,6 +204,10 @@ class FactsDiff:
     candidate_path: str
     differences: list[FactDifference]
     chat_tokens: str | None
+    from_budgets_file: bool = False
+    """As ``ModelSwap.from_budgets_file``."""
+    compared_checks: int | None = None
+    """How many checks were judged on the candidate; set at session end."""
 
     def lines(self) -> list[str]:
         """The header's lines: the swap, then one indented line per fact that differs."""
@@ -193,6 +228,7 @@ class FactsDiff:
                 {"fact": d.fact, "model": d.before, "candidate": d.after} for d in self.differences
             ],
             "chat_tokens": self.chat_tokens,
+            "compared_checks": self.compared_checks,
         }
 
 
@@ -207,4 +243,5 @@ def facts_diff(swap: ModelSwap) -> FactsDiff:
         str(candidate_path),
         diff_facts(before, after),
         chat_token_line(before, after),
+        swap.from_budgets_file,
     )

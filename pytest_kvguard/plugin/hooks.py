@@ -24,7 +24,7 @@ from pytest_kvguard.gate.model_preview import (
     ModelSwap,
     check_swaps,
     facts_diff,
-    merge_swaps,
+    model_swaps,
     not_previewed,
     parse_model_swaps,
     uses,
@@ -172,7 +172,7 @@ def _model_swaps(
     given = list_setting(config, "kvguard_against_model")
     # Command-line paths are relative to the current directory, ini lines to rootdir.
     on_command_line = bool(config.getoption("kvguard_against_model"))
-    swaps = merge_swaps(
+    swaps = model_swaps(
         parse_model_swaps(
             given,
             "--kvguard-against-model" if on_command_line else "ini kvguard_against_model =",

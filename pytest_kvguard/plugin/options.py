@@ -41,12 +41,13 @@ ENVIRONMENT_OPTIONS = [
      "this run against it with the baseline tolerances; the table shows both versions' "
      "figures. Overrides the budgets file's 'against:'. Default: no preview."),
     ("--kvguard-against-model", "kvguard_against_model", "NAME=PATH", "Model preview: every "
-     "check on model NAME (a bundled name, or the path as the checks write it) runs a second "
-     "time on the candidate PATH (a .gguf file or a model folder, relative to the current "
-     "directory; the ini value: to rootdir) and the candidate's run is judged against NAME's "
-     "with the baseline tolerances. The header lists the cache-relevant facts that differ; the "
-     "table shows both runs' figures. May be given once per model; overrides the budgets "
-     "file's 'against_models:'. Default: no preview."),
+     "check on model NAME (a bundled name, or a .gguf file or model folder, matched to the "
+     "checks by the file it resolves to) runs a second time on the candidate PATH (a .gguf "
+     "file or a model folder) and the candidate's run is judged against NAME's with the "
+     "baseline tolerances. Paths are relative to the current directory (the ini value's: to "
+     "rootdir). The header lists the cache-relevant facts that differ; the table shows both "
+     "runs' figures; a preview that compared nothing fails. May be given once per model; "
+     "overrides the budgets file's 'against_models:'. Default: no preview."),
 ]  # fmt: skip
 """Options given once per engine (or model): repeatable on the command line, one per line in
 the ini."""

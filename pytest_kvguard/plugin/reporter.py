@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,18 @@ from pytest_kvguard.gate.plot import write_plots
 from pytest_kvguard.gate.report import build_report, machine, render_table, step_summary, write_json
 from pytest_kvguard.plugin.session import BASELINE_KEY, BUDGETS_KEY, FACTS_DIFFS_KEY, PROPERTY
 from pytest_kvguard.scenarios import SCENARIOS
+
+
+def _same_path(a: str | None, b: str) -> bool:
+    return a is not None and Path(a).resolve() == Path(b).resolve()
+
+
+def _previewed_here(diff: FactsDiff, outcomes: list[Outcome]) -> bool:
+    """Whether the run asked for this swap's comparison: always for the command line's or
+    ini's; for a budgets file's standing swap, when a check on its model ran."""
+    return not diff.from_budgets_file or any(
+        _same_path(row.model_path, diff.model_path) for row in outcomes
+    )
 
 
 def baseline_warning(config: pytest.Config) -> str | None:
@@ -47,6 +60,8 @@ class KvguardReporter:
         self.plot = plot
         self.json_error: str | None = None
         self.plot_paths: list[Path] = []
+        self.counted_diffs: list[FactsDiff] | None = None
+        """The model preview's facts diffs with ``compared_checks``, once the checks ran."""
         self.uncompared: list[FactsDiff] = []
         """The model preview's swaps nothing was compared on (set at session end)."""
 
@@ -69,10 +84,6 @@ class KvguardReporter:
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
         if self.config.option.collectonly:
             return  # nothing ran: a report would read as a gate run with no check in it
-        self.uncompared = self._uncompared_swaps()
-        if self.uncompared and session.exitstatus == pytest.ExitCode.OK:
-            # A model preview that compared nothing must not read as a preview that passed.
-            session.exitstatus = exitstatus = pytest.ExitCode.TESTS_FAILED
         self._write_step_summary(int(exitstatus))
         if self.json_path is None:
             return
@@ -88,8 +99,7 @@ class KvguardReporter:
             baseline=None
             if baseline is None
             else {"path": str(baseline.path), "differences": baseline.differences(machine())},
-            model_preview=[diff.to_json() for diff in self.config.stash.get(FACTS_DIFFS_KEY, [])]
-            or None,
+            model_preview=[diff.to_json() for diff in self.facts_diffs()] or None,
         )
         try:
             write_json(self.json_path, report)
@@ -99,13 +109,39 @@ class KvguardReporter:
             self.json_error = f"cannot write {exc.filename or self.json_path}: {exc.strerror}"
             session.exitstatus = pytest.ExitCode.INTERNAL_ERROR
 
-    def _uncompared_swaps(self) -> list[FactsDiff]:
-        """The model preview's swaps that no row was judged against (no check on the model
-        was selected, or none could run on the candidate)."""
-        rows = self.all_rows()
-        compared = {row.model for row in rows if isinstance(row, Outcome) and row.against}
-        swaps: list[FactsDiff] = self.config.stash.get(FACTS_DIFFS_KEY, [])
-        return [diff for diff in swaps if diff.candidate not in compared]
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtestloop(self, session: pytest.Session) -> Any:
+        """After the last check: a model preview that compared nothing counts as a failure
+        (so every later hook and pytest's exit code see it), when nothing else failed."""
+        result = yield
+        outcomes = [row for row in self.all_rows() if isinstance(row, Outcome)]
+        self.counted_diffs = diffs = [
+            replace(diff, compared_checks=sum(
+                1 for row in outcomes
+                if row.against and _same_path(row.model_path, diff.candidate_path)
+            ))
+            for diff in self.config.stash.get(FACTS_DIFFS_KEY, [])
+        ]  # fmt: skip
+        if not session.testsfailed:
+            self.uncompared = [diff for diff in diffs if not diff.compared_checks
+                               and _previewed_here(diff, outcomes)]  # fmt: skip
+            session.testsfailed += len(self.uncompared)
+        return result
+
+    def facts_diffs(self) -> list[FactsDiff]:
+        """The model preview's facts diffs: counted, once the checks ran."""
+        if self.counted_diffs is not None:
+            return self.counted_diffs
+        diffs: list[FactsDiff] = self.config.stash.get(FACTS_DIFFS_KEY, [])
+        return diffs
+
+    def uncompared_lines(self) -> list[str]:
+        return [
+            f"kvguard: model preview compared nothing on {diff.candidate}: no selected check on "
+            f"{diff.model} ran on it (fix: select checks on {diff.model} whose engines can load "
+            "the candidate; a check that ran on the model alone says why in its row)"
+            for diff in self.uncompared
+        ]
 
     def _write_step_summary(self, exitstatus: int) -> None:
         """On GitHub Actions ($GITHUB_STEP_SUMMARY set): the tables as Markdown, appended."""
@@ -114,7 +150,8 @@ class KvguardReporter:
         if not target or not (rows or self.expected):
             return
         text = step_summary(rows, exitstatus=exitstatus, missing=self.missing(),
-                            warning=baseline_warning(self.config),
+                            warning="; ".join(filter(None, [baseline_warning(self.config),
+                                                            *self.uncompared_lines()])) or None,
                             preview=render_preview(rows, fmt="github"))  # fmt: skip
         try:
             with open(target, "a", encoding="utf-8") as summary:
@@ -166,13 +203,8 @@ class KvguardReporter:
                 "worker was restarted for the others): " + ", ".join(lost),
                 red=True,
             )
-        for diff in self.uncompared:
-            terminalreporter.write_line(
-                f"kvguard: model preview compared nothing on {diff.candidate}: no selected "
-                f"check on {diff.model} ran on it (fix: select checks on {diff.model} whose "
-                "engines can load the candidate; each check's row says why it was not previewed)",
-                red=True,
-            )
+        for line in self.uncompared_lines():
+            terminalreporter.write_line(line, red=True)
         missing = self.missing()
         if missing:
             terminalreporter.write_line(

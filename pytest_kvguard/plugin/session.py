@@ -110,6 +110,10 @@ def _model_preview(
 ) -> Outcome:
     """The check on the candidate, judged against the same check on the model it replaces."""
     pool = session_pool(config)
+    reference = pool.worker(python, judged=False)  # its own worker only under a fault
+    if reference.plan is None:
+        environments = config.stash.get(ENVIRONMENTS_KEY, Environments())
+        reference.plan = _plan_for(config, environments, python)
     why_not = not_previewed(check, swap)
     if why_not is not None:
         return replace(pool.run(sendable(check), python, timeout), baseline_status=why_not)
