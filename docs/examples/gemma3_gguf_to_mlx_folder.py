@@ -31,29 +31,14 @@ from pathlib import Path
 
 import numpy as np
 
+from pytest_kvguard.engines.mlx.gguf import GEMMA3_LAYER_NAMES, GLOBAL_NAMES
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "post_attention_norm": "post_attention_layernorm",
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-}
-GLOBAL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
+# GGUF tensor names -> mlx-lm's, as kvguard's own GGUF loader maps them.
+LAYER_NAMES = GEMMA3_LAYER_NAMES
+
 SLIDING_WINDOW_PATTERN = 6  # llama.cpp: LLM_ARCH_GEMMA3 uses swa pattern 6 when the file has none
 ROPE_LOCAL_BASE = 10_000.0  # llama.cpp: rope_freq_base_train_swa for gemma3
 
