@@ -45,7 +45,7 @@ def test_a_requantized_smollm2_previewed_through_llama_cpp(
         "--kvguard-json", "report.json",
     )  # fmt: skip
     result.stdout.fnmatch_lines([
-        f"kvguard model preview: checks on smollm2-135m also run on {q8_candidate}*",
+        f"kvguard model preview: checks on smollm2-135m also run on {q8_candidate}",
         "  weight type: Q4_1 -> Q8_0",
         "  sha256: b179c9523d0e6a0f -> *",
         "  tutor chat, first 200 rendered tokens: the same",

@@ -31,13 +31,10 @@ from pathlib import Path
 
 import numpy as np
 
-from pytest_kvguard.engines.mlx.gguf import GEMMA3_LAYER_NAMES, GLOBAL_NAMES
+from pytest_kvguard.engines.mlx.gguf import GEMMA3_LAYER_NAMES, mlx_tensor_name
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-
-# GGUF tensor names -> mlx-lm's, as kvguard's own GGUF loader maps them.
-LAYER_NAMES = GEMMA3_LAYER_NAMES
 
 SLIDING_WINDOW_PATTERN = 6  # llama.cpp: LLM_ARCH_GEMMA3 uses swa pattern 6 when the file has none
 ROPE_LOCAL_BASE = 10_000.0  # llama.cpp: rope_freq_base_train_swa for gemma3
@@ -46,14 +43,6 @@ ROPE_LOCAL_BASE = 10_000.0  # llama.cpp: rope_freq_base_train_swa for gemma3
 def field(reader, key, default=None):
     f = reader.fields.get(key)
     return default if f is None else f.contents()
-
-
-def mlx_name(gguf_name: str) -> str:
-    base = gguf_name.removesuffix(".weight")
-    parts = base.split(".")
-    if parts[0] == "blk":
-        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.weight"
-    return f"{GLOBAL_NAMES[base]}.weight"
 
 
 def write_weights(reader, out: Path, dtype: str) -> dict[str, tuple[int, ...]]:
@@ -67,7 +56,7 @@ def write_weights(reader, out: Path, dtype: str) -> dict[str, tuple[int, ...]]:
         qtype = GGMLQuantizationType(t.tensor_type)
         array = dequantize(np.asarray(t.data), qtype).astype(np.float32)
         array = array.reshape(tuple(int(n) for n in reversed(t.shape)))  # GGUF dims innermost first
-        name = mlx_name(t.name)
+        name = mlx_tensor_name(t.name, GEMMA3_LAYER_NAMES)
         if name.endswith("norm.weight"):
             array = array - 1.0  # llama.cpp stores Gemma norms as 1 + w
         weights[name] = mx.array(array).astype(mx_dtype)

@@ -44,6 +44,15 @@ GLOBAL_NAMES = {
 }
 
 
+def mlx_tensor_name(gguf_name: str, layer_names: dict[str, str]) -> str:
+    """mlx-lm's name for a GGUF tensor (``blk.3.attn_q``: ``model.layers.3.self_attn.q_proj``)."""
+    base = gguf_name.removesuffix(".weight")
+    parts = base.split(".")
+    if parts[0] == "blk":
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.weight"
+    return f"{GLOBAL_NAMES[base]}.weight"
+
+
 def _read_weights(path: Path) -> tuple[dict[str, mx.array], dict[str, Any], str]:
     """All tensors as float32 mlx arrays, the metadata, and which reader was used."""
     raw: dict[str, Any]
@@ -161,11 +170,7 @@ def load_gguf_model(path: Path) -> tuple[nn.Module, dict[str, str]]:
         )
     named = []
     for base, value in weights.items():
-        parts = base.split(".")
-        if parts[0] == "blk":
-            name = f"model.layers.{parts[1]}.{layer_names[parts[2]]}.weight"
-        else:
-            name = f"{GLOBAL_NAMES[base]}.weight"
+        name = mlx_tensor_name(base, layer_names)
         if norm_shift and name.endswith("norm.weight"):
             value = value - norm_shift
         named.append((name, value))
