@@ -41,7 +41,21 @@ def assert_row_holds(row: Mapping[str, Any], check: Check[Any]) -> None:
         # The engine may keep no more than the common prefix, and always re-prefills one token.
         assert m["reused_tokens"] <= min(m["split"], m["prompt_tokens"] - 1)
         assert m["reused_tokens"] + m["reprefill_tokens"] == m["prompt_tokens"]
-        if spec.policy.kind in ("full", "swa_full") and check.engine != "mlx":
+        if spec.reply_tokens:
+            # Scored against a fresh prefill and a floor: 0 where nothing was reused (no cut).
+            assert m["scored_tokens"] == spec.reply_tokens
+            assert m["reuse_excess"] == pytest.approx(m["mean_abs_nll_diff"] - m["reuse_floor"])
+            assert m["reused_tokens"] > 0 or m["reuse_floor"] == 0
+        if spec.stale_window:
+            # A stale control stays stale: part of the kept prefix's window was gone.
+            assert m["window_missing_tokens"] > 0 and m["reused_tokens"] > 0
+        if (
+            spec.policy.kind in ("full", "swa_full")
+            and check.engine != "mlx"
+            and (
+                not check.expect_violation  # a finding: an app's state that did not come back
+            )
+        ):
             # Nothing slides out of these caches: the whole common prefix is reused.
             assert m["reused_tokens"] == min(m["split"], m["prompt_tokens"] - 1)
         return

@@ -18,7 +18,7 @@ import os
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -73,8 +73,10 @@ class FakeEngine:
             return [ord(c) % VOCAB for c in text]
         return [i % VOCAB for i in range(len(text) // 4)]  # a stream: token i is i mod VOCAB
 
-    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
-        return CHAT_MARK + "".join(f"<{m['role']}>{m['content']}" for m in messages)
+    def chat_ids(self, messages: Sequence[Mapping[str, str]], template: Any = None) -> list[int]:
+        """One id per character of the chat (roles marked), then an assistant prompt."""
+        text = CHAT_MARK + "".join(f"<{m['role']}>{m['content']}" for m in messages)
+        return self.tokenize(text + "<assistant>")
 
     def open_stream(self, policy: Policy, max_tokens: int) -> FakeStream:
         return FakeStream(policy, self.ignores_cap)

@@ -18,7 +18,7 @@ from pytest_kvguard.inputs.chats import (
     load_conversation,
 )
 from pytest_kvguard.scenarios.edit_replay import default_via, format_gap
-from pytest_kvguard.scenarios.replaying import common_prefix
+from pytest_kvguard.scenarios.replaying import common_prefix, floor_cuts
 from pytest_kvguard.scoring import reuse_gap
 
 TUTOR = load_conversation("tutor", Path("."))
@@ -53,6 +53,15 @@ def test_trim_reasoning_keeps_only_the_last_replys_reasoning() -> None:
     trimmed = followup(TUTOR, "trim_reasoning", None)
     with_think = [i for i, m in enumerate(trimmed) if m["content"].startswith("<think>")]
     assert with_think == [24]
+
+
+def test_resend_edits_a_user_message_and_drops_what_followed() -> None:
+    resent = followup(TUTOR, "resend", 13)
+    assert resent[:13] == history(TUTOR)[:13] and len(resent) == 14
+    assert resent[13]["content"] == TUTOR.messages[13].content + EDIT_SUFFIX
+    assert followup(TUTOR, "resend", -2) == followup(TUTOR, "resend", 23)
+    with pytest.raises(KvguardError, match="message 14 is the assistant's"):
+        followup(TUTOR, "resend", 14)
 
 
 def test_edit_index_out_of_range() -> None:
@@ -99,6 +108,7 @@ def test_defaults_of_other_scenarios_do_not_leak_in(tmp_path: Path) -> None:
     ("kwargs", "message"),
     [
         ({"params": "{followup: edit}"}, "b.yaml:11: params.message goes with followup: edit"),
+        ({"params": "{followup: resend}"}, "b.yaml:11: params.message goes with followup: edit"),
         ({"params": "{followup: rewrite}"}, "b.yaml:11: unknown follow-up 'rewrite'"),
         (
             {"params": "{followup: append, cap: 5}"},
@@ -127,9 +137,25 @@ def test_defaults_of_other_scenarios_do_not_leak_in(tmp_path: Path) -> None:
         (
             {
                 "params": "{followup: append, reply_tokens: 0}",
-                "budgets": "{max_mean_abs_nll_diff: 0.01}",
+                "budgets": "{max_reuse_excess: 0.1}",
             },
-            "b.yaml:12: budget max_mean_abs_nll_diff compares a scored reply with a fresh prefill",
+            "b.yaml:12: budget max_reuse_excess compares a scored reply with fresh prefills",
+        ),
+        (
+            {"budgets": "{max_mean_abs_nll_diff: 0.01}"},
+            "b.yaml:12: budget max_mean_abs_nll_diff does not apply to a edit_replay check",
+        ),
+        (
+            {"params": "{followup: append, chat_template: none.jinja}"},
+            "b.yaml:11: chat template 'none.jinja': No such file or directory",
+        ),
+        (
+            {"params": "{followup: append, stale_window: yes please}"},
+            "b.yaml:11: params.stale_window must be true or false",
+        ),
+        (
+            {"params": "{followup: append, via: memory, stale_window: true}"},
+            "b.yaml:11: params.stale_window is checked against the window",
         ),
     ],
 )
@@ -142,7 +168,7 @@ def test_replay_check_errors(tmp_path: Path, kwargs: dict[str, str], message: st
 
 def test_via_defaults_to_the_engines_own_api_where_it_has_one(tmp_path: Path) -> None:
     (check,) = load_budgets_file(write(tmp_path)).checks
-    assert (check.spec.via, check.spec.reply_tokens) == ("api", 64)
+    assert (check.spec.via, check.spec.reply_tokens) == ("api", 128)
     (memory,) = load_budgets_file(write(tmp_path, params="{followup: append, via: memory}")).checks
     assert memory.spec.via == "memory"
     assert default_via("llama_server") == default_via("mlx") == "api"
@@ -156,10 +182,15 @@ def test_a_server_has_no_memory_path(tmp_path: Path) -> None:
         load_budgets_file(path)
 
 
-def test_correctness_budgets_apply_to_edit_replay(tmp_path: Path) -> None:
-    path = write(tmp_path, budgets="{max_mean_abs_nll_diff: 0.01, max_ppl_diff_pct: 0.5}")
+def test_the_correctness_budget_of_edit_replay(tmp_path: Path) -> None:
+    path = write(tmp_path, budgets="{max_reuse_excess: 0.1}")
     (check,) = load_budgets_file(path).checks
-    assert check.budgets.declared() == {"max_mean_abs_nll_diff": 0.01, "max_ppl_diff_pct": 0.5}
+    assert check.budgets.declared() == {"max_reuse_excess": 0.1}
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    path = write(tmp_path, params="{followup: append, chat_template: t.jinja, stale_window: true}")
+    (check,) = load_budgets_file(path).checks
+    assert (check.spec.chat_template, check.spec.stale_window) == ("t.jinja", True)
 
 
 def test_reuse_gap_figures() -> None:
@@ -168,11 +199,32 @@ def test_reuse_gap_figures() -> None:
     assert gap["scored_tokens"] == 3
     assert gap["mean_abs_nll_diff"] == pytest.approx(0.4 / 3)
     assert gap["max_abs_nll_diff"] == pytest.approx(0.3)
+    assert gap["nll_shift"] == pytest.approx(0.2 / 3)
     assert gap["ppl_diff_pct"] == pytest.approx((math.exp(6.2 / 3) / math.exp(2.0) - 1) * 100)
+    assert (gap["reuse_floor"], gap["reuse_excess"]) == (0.0, gap["mean_abs_nll_diff"])
     assert reuse_gap(fresh, fresh)["mean_abs_nll_diff"] == 0.0
     assert math.isnan(reuse_gap(None, fresh)["mean_abs_nll_diff"])
-    assert format_gap(reuse_gap(fresh, fresh)) == "0"
-    assert format_gap(reuse_gap(None, None)) == "-"
+    assert format_gap(reuse_gap(fresh, fresh)) == ("0.0000", "0.0000", "+0.0000")
+    assert format_gap(reuse_gap(None, None)) == ("-", "-", "-")
+
+
+def test_the_floor_is_the_largest_gap_between_correct_computations() -> None:
+    """A stale cache moves predictions both ways: its signed shift nets out, its mean
+    |dNLL| does not; the floor comes off the gap."""
+    fresh = np.zeros(4)
+    stale = np.array([0.4, -0.4, 0.3, -0.3])
+    cuts = {100: np.array([0.05, -0.05, 0.0, 0.0]), 200: np.array([0.1, 0.1, 0.1, -0.1])}
+    gap = reuse_gap(stale, fresh, cuts)
+    assert gap["nll_shift"] == pytest.approx(0.0)
+    assert gap["mean_abs_nll_diff"] == pytest.approx(0.35)
+    assert gap["reuse_floor"] == pytest.approx(0.1)
+    assert gap["reuse_excess"] == pytest.approx(0.25)
+
+
+def test_the_floor_is_cut_where_the_reuse_was() -> None:
+    assert floor_cuts(734, 745) == [734]
+    assert floor_cuts(0, 745) == []  # nothing reused: the replay is a fresh prefill itself
+    assert floor_cuts(745, 745) == []
 
 
 def test_memory_budget_in_human_units(tmp_path: Path) -> None:

@@ -36,7 +36,7 @@ def ids_of(runner: Runner, count: int) -> list[int]:
     return runner.token_ids("llama_cpp", SMOLLM2, pydoc_topics(), count)
 
 
-def test_the_server_tokenizes_and_renders_chats_as_llama_cpp(
+def test_the_server_tokenizes_text_and_chats_as_llama_cpp(
     smollm2_server: LlamaServerEngine, kvguard_runner: Runner
 ) -> None:
     in_process = kvguard_runner.engine("llama_cpp", SMOLLM2)
@@ -44,13 +44,12 @@ def test_the_server_tokenizes_and_renders_chats_as_llama_cpp(
     assert smollm2_server.tokenize(text) == in_process.tokenize(text)
     chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
     system = [{"role": "system", "content": "Be brief."}]
-    assert smollm2_server.render_chat(system + chat) == in_process.render_chat(system + chat)
-    # Without a system message SmolLM2's Jinja template (the server's) adds its default one;
-    # llama.cpp's built-in chatml (the in-process engine's) does not.
-    assert smollm2_server.render_chat(chat) == (
-        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
-        "Face<|im_end|>\n" + in_process.render_chat(chat)
-    )
+    # Both apply SmolLM2's own Jinja template, which adds its default system message to a
+    # chat without one (llama.cpp's C template code, kvguard's before, did not).
+    for messages in (system + chat, chat):
+        assert smollm2_server.chat_ids(messages) == in_process.chat_ids(messages)
+    pieces = [in_process.token_piece(t) for t in in_process.chat_ids(chat)[:8]]
+    assert "".join(pieces).startswith("<|im_start|>system\nYou are a helpful AI")
     assert (
         not smollm2_server.adds_bos()
     )  # SmolLM2's tokenizer adds none: n_keep is the sinks as asked

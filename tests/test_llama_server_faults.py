@@ -22,12 +22,12 @@ checks:
   - name: server-edit
     scenario: edit_replay
     policy: full
-    params: {followup: edit, message: -3}
+    params: {followup: edit, message: -3, chat_template: gemma3-it}
     budgets: {min_reused_tokens: 100}
   - name: server-append
     scenario: edit_replay
     policy: full
-    params: {followup: append}
+    params: {followup: append, chat_template: gemma3-it}
     budgets: {min_reused_tokens: 100}
 """
 

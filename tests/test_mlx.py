@@ -110,3 +110,38 @@ def test_mlx_lm_refuses_to_quantize_a_rotating_cache_in_one_line(
     assert "refuses to quantize RotatingKVCache to 4 bits (sink4/64 abs step1 q4)" in str(
         refused.value
     )
+
+
+@pytest.mark.parametrize(("model", "policy"), [("smollm2-135m", "full"), ("gemma3-270m", "swa")])
+def test_the_api_paths_batched_reply_scores_as_token_by_token_decoding(
+    kvguard_runner: Runner, model: str, policy: str
+) -> None:
+    """edit_replay's mlx API path scores the forced reply's tokens after the first in one call
+    of the model (generate_step costs 0.1 to 0.16 s a token here): the same log-probabilities
+    as generate_step forcing them one at a time, on a full cache and on Gemma 3's own cache
+    (its sliding layers wrapped: 600 prompt tokens past its 512 window)."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.generate import generate_step
+
+    from pytest_kvguard.engines.mlx.api_cache import MlxApiCache, forcing_processor
+    from pytest_kvguard.engines.mlx.caches import make_caches
+    from pytest_kvguard.inputs.chats import reply_ids
+
+    engine = kvguard_runner.engine("mlx", ModelRef(model))
+    prompt = kvguard_runner.token_ids("mlx", ModelRef(model), pydoc_topics(), 600)
+    reply = reply_ids(engine.tokenize, 48)
+    api = MlxApiCache(engine, make_policy(policy))  # type: ignore[arg-type]
+    batched = np.array(api._score(prompt, make_caches(engine.model, make_policy(policy)), reply))
+    nll: list[float] = []
+    steps = generate_step(
+        mx.array(prompt), engine.model, max_tokens=len(reply),
+        sampler=lambda logprobs: mx.argmax(logprobs, axis=-1),
+        logits_processors=[forcing_processor(reply, nll)],
+        prompt_cache=make_caches(engine.model, make_policy(policy)),
+    )  # fmt: skip
+    assert [int(token) for token, _ in steps] == reply
+    one_by_one = np.array(nll)
+    assert len(batched) == len(one_by_one) == 48
+    assert batched[0] == one_by_one[0]  # both from generate_step's prefill
+    assert np.abs(batched - one_by_one).max() < 1e-4, np.abs(batched - one_by_one).max()

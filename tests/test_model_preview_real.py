@@ -48,7 +48,7 @@ def test_a_requantized_smollm2_previewed_through_llama_cpp(
         f"kvguard model preview: checks on smollm2-135m also run on {q8_candidate}",
         "  weight type: Q4_1 -> Q8_0",
         "  sha256: b179c9523d0e6a0f -> *",
-        "  tutor chat, first 200 rendered tokens: the same",
+        "  tutor chat, first 200 tokens of the chat call: the same",
     ])  # fmt: skip
     report = json.loads((pytester.path / "report.json").read_text())
     (diff,) = report["model_preview"]

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from pytest_kvguard.engines import EngineOptions, load_engine
+from pytest_kvguard.engines import EngineOptions, Prompt, load_engine
 from pytest_kvguard.engines.served.llama_server import LlamaServerEngine
 from pytest_kvguard.engines.served.process import ServerSettings
 from pytest_kvguard.gate.policies import Policy
@@ -31,7 +31,7 @@ SMOLLM2 = ModelRef("smollm2-135m")
 
 def openai_checks(min_reused_after_edit: int, chat_messages: int | None = None) -> str:
     """Edit #-3 and append through engine openai at {url}, on the whole bundled chat or on its
-    first ``chat_messages`` (the real server's slot holds 11 of them, 1,927 tokens, in 2,048)."""
+    first ``chat_messages`` (the real server's slot holds 11 of them, 1,815 tokens, in 2,048)."""
     chat = f"chat_messages: {chat_messages}, " if chat_messages is not None else ""
     return f"""\
 version: 1
@@ -51,7 +51,7 @@ checks:
 
 
 CHECKS = openai_checks(4100)
-REAL_CHECKS = openai_checks(1554, chat_messages=11)
+REAL_CHECKS = openai_checks(1460, chat_messages=11)
 
 
 def run_gate(
@@ -81,17 +81,17 @@ def test_openai_counts_are_the_servers_usage_and_equal_its_timings(
         for name, (kind, message) in {"openai-edit-end": ("edit", -3),
                                       "openai-append": ("append", None)}.items():  # fmt: skip
             chats = (history(conversation), followup(conversation, kind, message))
-            first, second = (by_url.tokenize(by_url.render_chat(chat)) for chat in chats)
-            run, _ = run_edit_replay(by_url, Policy("full"), first, second)
+            first, second = (Prompt(tuple(by_url.chat_ids(chat))) for chat in chats)
+            run, _, _ = run_edit_replay(by_url, Policy("full"), first, second)
             m = rows[name]["metrics"]
-            assert m["prompt_tokens"] == len(second)
+            assert m["prompt_tokens"] == len(second.ids)
             assert (m["reused_tokens"], m["reprefill_tokens"]) == (
                 run.replay.reused, run.replay.reprefilled)  # fmt: skip
             assert m["reused_tokens"] == m["split"] == run.replay.split  # full: all of it
     finally:
         by_url.close()  # not the engine that started it: the server stays up
     edit = rows["openai-edit-end"]["metrics"]
-    assert (edit["reused_tokens"], edit["reprefill_tokens"]) == (1554, 379)  # as in process
+    assert (edit["reused_tokens"], edit["reprefill_tokens"]) == (1460, 355)  # as in process
 
 
 class StandIn(http.server.BaseHTTPRequestHandler):
@@ -164,7 +164,7 @@ def test_vllm_is_asked_for_the_chat_ids_and_counted_from_cached_tokens(
             expected, m["prompt_tokens"] - expected)  # fmt: skip
         assert m["reused_tokens"] > 0
     tokenized = [body for path, body in handler.requests if path == "/tokenize"]
-    assert tokenized and all(b["add_generation_prompt"] is False and b["model"] == "stand-in"
+    assert tokenized and all(b["add_generation_prompt"] is True and b["model"] == "stand-in"
                              for b in tokenized)  # fmt: skip
     sent = [body for path, body in handler.requests if path == "/v1/completions"]
     assert all(b["max_tokens"] == 1 and isinstance(b["prompt"], list) for b in sent)

@@ -662,8 +662,8 @@ def test_edit_replay_mechanics_on_the_toy_engine(gate: pytest.Pytester) -> None:
     from pytest_kvguard.inputs.chats import followup, history, load_conversation
 
     toy, chat = FakeEngine(), load_conversation("tutor", Path("."))
-    before = toy.tokenize(toy.render_chat(history(chat)))
-    after = toy.tokenize(toy.render_chat(followup(chat, "edit", 1)))
+    before = toy.chat_ids(history(chat))
+    after = toy.chat_ids(followup(chat, "edit", 1))
     split = next(i for i, (a, b) in enumerate(zip(before, after, strict=False)) if a != b)
     assert (swa["split"], swa["prompt_tokens"]) == (split, len(after))
     assert swa["reused_tokens"] == 0 and swa["reprefill_tokens"] == len(after)  # slid out

@@ -4,8 +4,9 @@
 
 MODEL and CANDIDATE are each a bundled model name, a .gguf file or an mlx / Hugging Face model
 folder. With a candidate: both side by side, then one line per fact that differs, and where
-both are GGUF files, how the bundled chat's first rendered tokens differ (llama.cpp's own
-template code and tokenizer, vocabulary only; needs llama-cpp-python).
+both are GGUF files, how the bundled chat's first tokens differ as llama-cpp-python's chat call
+makes them (each file's own template, special tokens parsed; vocabulary only; needs
+llama-cpp-python).
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=int,
         default=CHAT_TOKENS,
         metavar="N",
-        help="compare the bundled chat's first N rendered tokens of two GGUF files "
+        help="compare the bundled chat's first N tokens (as the chat call makes them) of two "
+        "GGUF files "
         "(default: %(default)s; 0: skip)",
     )
     args = parser.parse_args(argv)

@@ -1,15 +1,19 @@
-"""``kvguard-saved-cache``: can one mlx-lm release read the prompt caches another one saved?
+"""``kvguard-saved-cache``: can one engine release read the caches another one saved?
 
-    kvguard-saved-cache --writer PY --reader PY [--reader PY ...] [--kind plain|rotating|model ...]
-                        [--model smollm2-135m|gemma3-270m|FILE.gguf]
+    kvguard-saved-cache --writer PY --reader PY [--reader PY ...] [--engine mlx|llama_cpp]
+                        [--kind KIND ...] [--model smollm2-135m|gemma3-270m|FILE.gguf]
 
-PY is the python of an engine environment (``kvguard-env "mlx-lm==0.31.3"`` prints one). For
-each kind, the writer's mlx-lm saves the bundled chat's prompt cache with its own
-``save_prompt_cache``; each reader loads the file with its own ``load_prompt_cache`` and, where
-that works, scores a forced reply on the loaded cache against a fresh prefill of its own
-(``engines/mlx/saved_cache.py`` does both, in those interpreters). A row PASSes when the file
-loads and the two scores agree within the tolerance; it FAILs, quoting the engine's error in one
-line, when the file does not load or cannot be used, and when the scores are further apart.
+PY is the python of an engine environment (``kvguard-env "mlx-lm==0.31.3"`` or
+``kvguard-env "llama-cpp-python==0.3.35"`` prints one). For each kind, the writer saves the
+bundled chat's cache with its own calls (mlx-lm: ``save_prompt_cache``; llama-cpp-python: the
+pickled ``Llama.save_state()`` an app or ``LlamaDiskCache`` stores); each reader loads it with
+its own (``load_prompt_cache``; unpickling and ``Llama.load_state``) and, where that works,
+scores a forced reply on the loaded cache against a fresh prefill of its own
+(``engines/mlx/saved_cache.py``, ``engines/llama_cpp/saved_state.py``, run in those
+interpreters). A row PASSes when the file loads and the scores agree within the tolerance
+(mlx-lm, exact on the CPU: mean and largest |dNLL|; llama.cpp: the reuse excess over its own
+floor, as edit_replay judges a reuse); it FAILs, quoting the engine's error in one line, when
+the file does not load or cannot be used, and when the scores are further apart.
 Exit status 1 on any FAIL or ERROR, 2 on bad input.
 """
 
@@ -29,18 +33,42 @@ from typing import Any, NoReturn
 
 from tabulate import tabulate
 
+from pytest_kvguard.engines.llama_cpp import saved_state
+from pytest_kvguard.engines.mlx import saved_cache
 from pytest_kvguard.engines.mlx.saved_cache import (
     DEFAULT_CAP,
     DEFAULT_MESSAGES,
     DEFAULT_REPLY_TOKENS,
     DEFAULT_SINKS,
-    KINDS,
 )
 from pytest_kvguard.errors import KvguardError
 
 PROG = "kvguard-saved-cache"
-ENTRY = "pytest_kvguard.engines.mlx.saved_cache"
-DEFAULT_KINDS = ("plain", "rotating")
+
+
+@dataclass(frozen=True)
+class SavedEngine:
+    """What the command does for one engine: who writes and reads, and the kinds it saves."""
+
+    package: str
+    """The distribution whose release is tested (its version names the rows)."""
+    entry: str
+    """The module the writer and readers run."""
+    kinds: Mapping[str, str]
+    default_kinds: tuple[str, ...]
+    suffix: str
+
+
+SAVED_ENGINES = {
+    "mlx": SavedEngine("mlx-lm", "pytest_kvguard.engines.mlx.saved_cache", saved_cache.KINDS,
+                       ("plain", "rotating"), ".safetensors"),
+    "llama_cpp": SavedEngine("llama-cpp-python", "pytest_kvguard.engines.llama_cpp.saved_state",
+                             saved_state.KINDS, ("full",), ".pickle"),
+}  # fmt: skip
+MAX_REUSE_EXCESS = 0.1
+"""nats per reply token, llama.cpp: the reuse gap of the loaded state over llama.cpp's own floor
+on these ids, the tolerance edit_replay's bundled checks judge a reuse with (docs/scenarios/
+edit_replay.md has the measurements behind it)."""
 MAX_MEAN_ABS_NLL_DIFF = 1e-3
 """nats. A file read back by the release that wrote it scores exactly like a fresh prefill
 (0.0, measured on every release here); the same release prefilling on mlx's bundled reference
@@ -59,6 +87,8 @@ class Tolerance:
     """Mean |NLL difference| over the reply tokens, nats."""
     max_abs_nll_diff: float = MAX_ABS_NLL_DIFF
     """Largest |NLL difference| of one reply token, nats."""
+    reuse_excess: float = MAX_REUSE_EXCESS
+    """llama.cpp: mean |NLL difference| beyond its own floor, nats."""
 
 
 def judge(read: Mapping[str, Any], tolerance: Tolerance) -> tuple[str, str]:
@@ -72,6 +102,15 @@ def judge(read: Mapping[str, Any], tolerance: Tolerance) -> tuple[str, str]:
     if "metadata_error" in read:
         return "FAIL", f"loads, misread: {read['metadata_error']}"
     mean, worst = read.get("mean_abs_nll_diff", math.nan), read.get("max_abs_nll_diff", math.nan)
+    if "reuse_excess" in read:  # llama.cpp: judged against its own floor
+        excess, floor = read["reuse_excess"], read["reuse_floor"]
+        if not excess <= tolerance.reuse_excess:
+            return "FAIL", (
+                f"loads, but the reply scores {mean:.3g} nats apart on average from a fresh "
+                f"prefill, {excess:.3g} beyond llama.cpp's own floor ({floor:.3g}); tolerance "
+                f"{tolerance.reuse_excess:g}"
+            )
+        return "PASS", ""
     if not (mean <= tolerance.mean_abs_nll_diff and worst <= tolerance.max_abs_nll_diff):
         return "FAIL", (
             f"loads, but the reply scores {mean:.3g} nats apart on average (max {worst:.3g}) "
@@ -81,8 +120,8 @@ def judge(read: Mapping[str, Any], tolerance: Tolerance) -> tuple[str, str]:
     return "PASS", ""
 
 
-def run_entry(python: str, args: Sequence[str], timeout: float) -> dict[str, Any]:
-    """One ``saved_cache`` command in another interpreter: its JSON, or ``{"error": line}``."""
+def run_entry(python: str, entry: str, args: Sequence[str], timeout: float) -> dict[str, Any]:
+    """One writer or reader command in another interpreter: its JSON, or ``{"error": line}``."""
     env = dict(os.environ)
     from pytest_kvguard.isolation.workers import package_path
 
@@ -90,7 +129,7 @@ def run_entry(python: str, args: Sequence[str], timeout: float) -> dict[str, Any
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_path(), env.get("PYTHONPATH")) if p)
     try:
         done = subprocess.run(
-            [python, "-m", ENTRY, *args], capture_output=True, text=True, timeout=timeout,
+            [python, "-m", entry, *args], capture_output=True, text=True, timeout=timeout,
             env=env, stdin=subprocess.DEVNULL,
         )  # fmt: skip
     except subprocess.TimeoutExpired:
@@ -107,35 +146,37 @@ def run_entry(python: str, args: Sequence[str], timeout: float) -> dict[str, Any
         return {"error": f"{Path(python).name} exited with status {done.returncode}: {why}"}
 
 
-def mlx_lm_version(python: str, written_as: str) -> str:
-    """The mlx-lm release an interpreter has, or a one-line error."""
-    code = "import importlib.metadata as m; print(m.version('mlx-lm'))"
+def release(python: str, package: str, written_as: str) -> str:
+    """The release of ``package`` an interpreter has, or a one-line error."""
+    code = f"import importlib.metadata as m; print(m.version({package!r}))"
     try:
         done = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise KvguardError(f"{written_as} {python}: cannot run it ({exc})") from None
     if done.returncode != 0:
         raise KvguardError(
-            f"{written_as} {python} has no mlx-lm",
-            fix='pass an engine environment\'s python (kvguard-env "mlx-lm==X" prints one)',
+            f"{written_as} {python} has no {package}",
+            fix=f'pass an engine environment\'s python (kvguard-env "{package}==X" prints one)',
         )
     return done.stdout.strip()
 
 
 def check_matrix(
-    writer: str, readers: Sequence[str], kinds: Sequence[str], model: Path, common: Sequence[str],
-    reply_tokens: int, tolerance: Tolerance, timeout: float,
+    engine: SavedEngine, writer: str, readers: Sequence[str], kinds: Sequence[str], model: Path,
+    common: Sequence[str], reply_tokens: int, tolerance: Tolerance, timeout: float,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """Every kind written once by the writer and read by every reader: one row per read."""
-    versions = {py: mlx_lm_version(py, "--writer" if py == writer else "--reader")
+    versions = {py: release(py, engine.package, "--writer" if py == writer else "--reader")
                 for py in (writer, *readers)}  # fmt: skip
+    name = engine.package
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvguard-saved-cache-") as folder:
         for kind in kinds:
-            file = Path(folder) / f"{kind}.safetensors"
+            file = Path(folder) / f"{kind}{engine.suffix}"
             base = ["--model", str(model), "--kind", kind, *common]
-            progress(f"mlx-lm {versions[writer]} saves a {kind} cache of {model.name}")
-            written = run_entry(writer, ["write", *base, "--out", str(file)], timeout)
+            progress(f"{name} {versions[writer]} saves a {kind} cache of {model.name}")
+            written = run_entry(writer, engine.entry, ["write", *base, "--out", str(file)],
+                                timeout)  # fmt: skip
             if "error" in written:
                 progress(f"{kind}: the writer failed: {written['error']}")
             for reader in readers:
@@ -145,9 +186,9 @@ def check_matrix(
                     row.update(verdict="ERROR", reason=f"writer failed: {written['error']}")
                     rows.append(row)
                     continue
-                progress(f"mlx-lm {versions[reader]} reads it and replays the chat's next turn")
+                progress(f"{name} {versions[reader]} reads it and replays the chat's next turn")
                 reading = ["read", *base, "--file", str(file), "--reply-tokens", str(reply_tokens)]
-                read = run_entry(reader, reading, timeout)
+                read = run_entry(reader, engine.entry, reading, timeout)
                 verdict, reason = judge(read, tolerance)
                 row.update(read=read, verdict=verdict, reason=reason)
                 progress(f"{kind}: {versions[writer]} -> {versions[reader]}: {verdict} {reason}")
@@ -168,9 +209,10 @@ def table(rows: Sequence[Mapping[str, Any]]) -> str:
         lines.append([r["writer"], r["reader"], r["kind"], r["model"], loads,
                       figure(read, "mean_abs_nll_diff", ".3g"),
                       figure(read, "max_abs_nll_diff", ".3g"),
+                      figure(read, "reuse_floor", ".3g"),
                       figure(read, "ppl_diff_pct", ".3g"), verdict])  # fmt: skip
     headers = ["writer", "reader", "kind", "model", "loads?", "mean |dNLL|", "max |dNLL|",
-               "ppl diff %", "verdict"]  # fmt: skip
+               "floor", "ppl diff %", "verdict"]  # fmt: skip
     return tabulate(lines, headers=headers, disable_numparse=True)
 
 
@@ -214,22 +256,33 @@ def parser() -> argparse.ArgumentParser:
         "--writer",
         required=True,
         metavar="PY",
-        help="python of the environment whose mlx-lm saves the cache",
+        help="python of the environment whose engine saves the cache",
     )
     p.add_argument(
         "--reader",
         required=True,
         action="append",
         metavar="PY",
-        help="python of an environment whose mlx-lm loads it (repeatable)",
+        help="python of an environment whose engine loads it (repeatable)",
+    )
+    p.add_argument(
+        "--engine",
+        choices=sorted(SAVED_ENGINES),
+        default="mlx",
+        help="mlx (mlx-lm prompt cache files, the default) or llama_cpp (pickled "
+        "llama-cpp-python Llama states)",
     )
     p.add_argument(
         "--kind",
         action="append",
-        choices=sorted(KINDS),
+        choices=sorted({k for e in SAVED_ENGINES.values() for k in e.kinds}),
         help="cache kind, repeatable: "
-        + "; ".join(f"{k}: {v}" for k, v in KINDS.items())
-        + f" (default: {', '.join(DEFAULT_KINDS)})",
+        + "; ".join(
+            f"{name}: "
+            + ", ".join(f"{k} ({v})" for k, v in e.kinds.items())
+            + f" (default: {', '.join(e.default_kinds)})"
+            for name, e in SAVED_ENGINES.items()
+        ),
     )
     p.add_argument(
         "--model",
@@ -241,6 +294,12 @@ def parser() -> argparse.ArgumentParser:
         type=count(2),
         default=DEFAULT_MESSAGES,
         help=f"the chat's first this many messages are cached (default {DEFAULT_MESSAGES})",
+    )
+    p.add_argument(
+        "--chat-template",
+        metavar="NAME|FILE",
+        help="the chat template the engine applies: gemma3-it (bundled) or a Jinja file; "
+        "default: the model's own (the bundled Gemma 3 base GGUF has none: give gemma3-it)",
     )
     p.add_argument(
         "--cap",
@@ -274,6 +333,14 @@ def parser() -> argparse.ArgumentParser:
         metavar="NATS",
         help=f"tolerance for the worst token (default {MAX_ABS_NLL_DIFF:g})",
     )
+    p.add_argument(
+        "--max-reuse-excess",
+        type=nats,
+        default=MAX_REUSE_EXCESS,
+        metavar="NATS",
+        help=f"llama_cpp: tolerance on the mean |dNLL| beyond llama.cpp's own floor (default "
+        f"{MAX_REUSE_EXCESS:g})",
+    )
     p.add_argument("--json", type=Path, metavar="FILE", help="also write every row as JSON")
     p.add_argument(
         "--timeout",
@@ -287,11 +354,22 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    from pytest_kvguard.inputs.chats import DEFAULT_CHAT, load_conversation
+    from pytest_kvguard.inputs.chats import (
+        BUNDLED_TEMPLATES,
+        DEFAULT_CHAT,
+        load_chat_template,
+        load_conversation,
+    )
     from pytest_kvguard.inputs.models import parse_model
     from pytest_kvguard.isolation.environments import check_python
 
-    kinds = list(dict.fromkeys(args.kind or DEFAULT_KINDS))
+    engine = SAVED_ENGINES[args.engine]
+    kinds = list(dict.fromkeys(args.kind or engine.default_kinds))
+    foreign = [k for k in kinds if k not in engine.kinds]
+    if foreign:
+        print(f"{PROG}: --kind {foreign[0]} is not a kind of --engine {args.engine} (its kinds: "
+              f"{', '.join(engine.kinds)})", file=sys.stderr)  # fmt: skip
+        return 2
     if args.sinks >= args.cap and "rotating" in kinds:
         print(f"{PROG}: --sinks {args.sinks} leaves no room in --cap {args.cap}", file=sys.stderr)
         return 2
@@ -307,19 +385,32 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         # Resolved here: an engine environment need not have the model's package.
         model = parse_model(args.model, Path.cwd()).resolve()
-        common = ["--messages", str(args.messages), "--cap", str(args.cap),
-                  "--sinks", str(args.sinks)]  # fmt: skip
-        tolerance = Tolerance(args.max_mean_nll_diff, args.max_abs_nll_diff)
-        rows = check_matrix(writer, readers, kinds, model, common, args.reply_tokens,
+        common = ["--messages", str(args.messages)]
+        if args.engine == "mlx":
+            common += ["--cap", str(args.cap), "--sinks", str(args.sinks)]
+        if args.chat_template is not None:
+            # Read here (a bad file is one line before any engine runs); handed on absolute.
+            template = load_chat_template(args.chat_template, Path.cwd())
+            bundled = template.name in BUNDLED_TEMPLATES
+            common += ["--chat-template", template.name if bundled else str(template.path)]
+        tolerance = Tolerance(args.max_mean_nll_diff, args.max_abs_nll_diff,
+                              args.max_reuse_excess)  # fmt: skip
+        rows = check_matrix(engine, writer, readers, kinds, model, common, args.reply_tokens,
                             tolerance, args.timeout)  # fmt: skip
     except KvguardError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
     print(table(rows))
-    print(
-        f"tolerance: mean |dNLL| <= {tolerance.mean_abs_nll_diff:g} nats and max |dNLL| <= "
-        f"{tolerance.max_abs_nll_diff:g} nats over {args.reply_tokens} forced reply tokens"
-    )
+    if args.engine == "llama_cpp":
+        print(
+            f"tolerance: mean |dNLL| beyond llama.cpp's own floor <= "
+            f"{tolerance.reuse_excess:g} nats over {args.reply_tokens} forced reply tokens"
+        )
+    else:
+        print(
+            f"tolerance: mean |dNLL| <= {tolerance.mean_abs_nll_diff:g} nats and max |dNLL| <= "
+            f"{tolerance.max_abs_nll_diff:g} nats over {args.reply_tokens} forced reply tokens"
+        )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
     return 1 if any(r["verdict"] != "PASS" for r in rows) else 0

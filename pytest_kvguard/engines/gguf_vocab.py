@@ -1,5 +1,6 @@
-"""A GGUF model's tokenizer and chat template as llama.cpp reads them (llama-cpp-python, vocab
-only): the llama.cpp adapter's own, and how other engines (mlx on a GGUF) get identical ids."""
+"""A GGUF model's tokenizer and chat call as llama-cpp-python has them (vocab only): the llama.cpp
+adapter's own, and how other engines (mlx on a GGUF) get identical ids. A chat's ids are those
+``Llama.create_chat_completion`` prefills (``ChatCall``), read from that call itself."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import llama_cpp as lc
 
 from pytest_kvguard.engines.llama_log import captured_log, init_backend
 from pytest_kvguard.errors import EngineError
-from pytest_kvguard.inputs.models import BUILTIN_CHAT_TEMPLATES
+from pytest_kvguard.inputs.chats import ChatTemplate, NoChatTemplate
 
 
 def tokenize(vocab: Any, text: str) -> list[int]:
@@ -27,36 +28,62 @@ def tokenize(vocab: Any, text: str) -> list[int]:
     return list(buffer[:n])
 
 
-def render_chat(model: Any, messages: Sequence[Mapping[str, str]]) -> str:
-    """The prompt llama.cpp's own chat-template code renders for these messages.
+def chat_handler(llm: Any, template: ChatTemplate) -> Any:
+    """``template`` as an app hands one to llama-cpp-python: a ``Jinja2ChatFormatter`` with the
+    model's BOS and EOS texts, stopping on its EOS id (what ``Llama`` builds for a GGUF's own
+    template), as the ``Llama``'s chat handler."""
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-    The template comes from the GGUF metadata; a model without one (the Gemma 3 base GGUF) gets
-    llama.cpp's built-in template for its architecture family.
-    """
-    template = lc.llama_model_chat_template(model, None)
-    if not template:
-        arch = ctypes.create_string_buffer(64)
-        lc.llama_model_meta_val_str(model, b"general.architecture", arch, 64)
-        family = arch.value.decode()
-        builtin = BUILTIN_CHAT_TEMPLATES.get(family)
-        template = builtin.encode() if builtin else None
-        if template is None:
+    eos, bos = llm.token_eos(), llm.token_bos()
+
+    def text(token: int) -> str:
+        return llm.detokenize([token], special=True).decode() if token >= 0 else ""
+
+    formatter = Jinja2ChatFormatter(template.source, text(eos), text(bos), stop_token_ids=[eos])
+    return formatter.to_chat_handler()
+
+
+class _Prefilled(Exception):
+    """Raised by the stand-in for ``create_completion``: the chat call got as far as its ids."""
+
+    def __init__(self, ids: Sequence[int]) -> None:
+        self.ids = [int(i) for i in ids]
+
+
+class ChatCall:
+    """llama-cpp-python's ``Llama.create_chat_completion`` as an app calls it, on a vocab-only
+    ``Llama``: its own chat handler applies the template (the GGUF's, or the one given), adds
+    the generation prompt and tokenizes with special tokens parsed; ``ids`` stops it where it
+    hands the ids to ``create_completion`` and returns them."""
+
+    def __init__(self, model_path: Path, template: ChatTemplate | None) -> None:
+        from llama_cpp import Llama
+
+        with captured_log():
+            self.llm = Llama(str(model_path), vocab_only=True, verbose=False)
+        if template is not None:
+            self.llm.chat_handler = chat_handler(self.llm, template)
+        elif "tokenizer.chat_template" not in self.llm.metadata:
+            raise NoChatTemplate(model_path.name)
+
+        def stop_at_prefill(*args: Any, **kwargs: Any) -> Any:
+            raise _Prefilled(kwargs["prompt"] if "prompt" in kwargs else args[0])
+
+        self.llm.create_completion = stop_at_prefill  # type: ignore[method-assign]
+
+    def ids(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        try:
+            self.llm.create_chat_completion(messages=[dict(m) for m in messages])  # type: ignore[misc]
+        except _Prefilled as prefilled:
+            return prefilled.ids
+        except Exception as exc:  # the template raising (raise_exception), jinja errors
             raise EngineError(
-                f"the model has no chat template, and kvguard knows no built-in one for '{family}'",
-                fix="use a model whose GGUF carries tokenizer.chat_template",
-            )
-    keep = [(m["role"].encode(), m["content"].encode()) for m in messages]
-    chat = (lc.llama_chat_message * len(keep))(*[lc.llama_chat_message(r, c) for r, c in keep])
-    size = 2 * sum(len(c) for _, c in keep) + 4096
-    for _ in range(2):
-        buffer = ctypes.create_string_buffer(size)
-        n = lc.llama_chat_apply_template(template, chat, len(keep), False, buffer, size)
-        if n < 0:
-            raise EngineError("llama.cpp could not apply the chat template")
-        if n <= size:
-            return buffer.raw[:n].decode("utf-8")
-        size = n
-    raise EngineError("chat template output did not fit")
+                f"llama-cpp-python could not apply the chat template: {exc}"
+            ) from None
+        raise EngineError("llama-cpp-python's chat call did not reach create_completion")
+
+    def close(self) -> None:
+        self.llm.close()
 
 
 def bos_id(vocab: Any) -> int | None:
@@ -70,6 +97,27 @@ def token_piece(vocab: Any, token_id: int) -> str:
     buffer = ctypes.create_string_buffer(256)
     n = lc.llama_token_to_piece(vocab, token_id, buffer, 256, 0, True)
     return buffer.raw[: max(n, 0)].decode("utf-8", errors="replace")
+
+
+class ChatCalls:
+    """One ``ChatCall`` per template for a model, made when first asked for."""
+
+    def __init__(self, model_path: Path) -> None:
+        self.model_path = model_path
+        self.calls: dict[str | None, ChatCall] = {}
+
+    def ids(
+        self, messages: Sequence[Mapping[str, str]], template: ChatTemplate | None
+    ) -> list[int]:
+        key = None if template is None else template.source
+        if key not in self.calls:
+            self.calls[key] = ChatCall(self.model_path, template)
+        return self.calls[key].ids(messages)
+
+    def close(self) -> None:
+        for call in self.calls.values():
+            call.close()
+        self.calls.clear()
 
 
 class GgufVocab:
@@ -89,12 +137,15 @@ class GgufVocab:
                 + (f": {why[-1]}" if why else "")
             )
         self.vocab = lc.llama_model_get_vocab(self.model)
+        self.chat_calls = ChatCalls(model_path)
 
     def tokenize(self, text: str) -> list[int]:
         return tokenize(self.vocab, text)
 
-    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
-        return render_chat(self.model, messages)
+    def chat_ids(
+        self, messages: Sequence[Mapping[str, str]], template: ChatTemplate | None = None
+    ) -> list[int]:
+        return self.chat_calls.ids(messages, template)
 
     @property
     def bos_id(self) -> int | None:
@@ -104,5 +155,7 @@ class GgufVocab:
         return token_piece(self.vocab, token_id)
 
     def __del__(self) -> None:
+        if getattr(self, "chat_calls", None):
+            self.chat_calls.close()
         if getattr(self, "model", None):
             lc.llama_model_free(self.model)

@@ -17,6 +17,7 @@ from pytest_kvguard.gate.policies import Policy
 
 if TYPE_CHECKING:
     from pytest_kvguard.engines.conversation import Turn
+    from pytest_kvguard.inputs.chats import ChatTemplate
 
 
 @runtime_checkable
@@ -120,7 +121,8 @@ class Reuse:
     reprefilled: int
     """Prompt tokens it decoded again."""
     restored_checkpoint: int | None
-    """Tokens covered by the checkpoint it restored, if it did."""
+    """Tokens covered by the checkpoint it restored, if it did (on an API that keeps an app's
+    states, the state it loaded)."""
     reply_nll: np.ndarray | None
     """-log p of each forced reply token, generated right after the prompt from that cache;
     None where the engine cannot report token probabilities."""
@@ -153,7 +155,7 @@ class Engine(Protocol):
     """A loaded model in a real inference engine.
 
     An adapter may also have the optional capabilities below (``ReadsAttention``,
-    ``GroupsStreams``, ``TokenizesChat``, ``ReportsShifts``); ``CAPABILITIES`` names them.
+    ``GroupsStreams``, ``ReportsShifts``); ``CAPABILITIES`` names them.
     """
 
     name: str
@@ -170,8 +172,13 @@ class Engine(Protocol):
         """Token ids as the engine feeds them, with BOS where the model wants one."""
         ...
 
-    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
-        """The prompt the model's own chat template renders for these messages."""
+    def chat_ids(
+        self, messages: Sequence[Mapping[str, str]], template: ChatTemplate | None = None
+    ) -> list[int]:
+        """The token ids the engine's own chat call prefills for these messages, as an app
+        makes that call: the chat template applied (``template`` as an app passes one; None:
+        the model's own), the generation prompt added, special tokens parsed, BOS as the
+        vocabulary says."""
         ...
 
     def open_stream(self, policy: Policy, max_tokens: int) -> Stream:
@@ -233,14 +240,6 @@ class GroupsStreams(Protocol):
 
 
 @runtime_checkable
-class TokenizesChat(Protocol):
-    """Capability ``chat_ids``: the engine renders and tokenizes a chat in one call (vLLM), so
-    there is no rendered text to tokenize."""
-
-    def tokenize_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]: ...
-
-
-@runtime_checkable
 class ReportsShifts(Protocol):
     """Capability ``shifts``: after ``converse``, where the engine shifted its context."""
 
@@ -263,29 +262,51 @@ class SnapshotsPrefix(Protocol):
     def restore(self, saved: object) -> None: ...
 
 
+@dataclass(frozen=True)
+class Prompt:
+    """One request's prompt: the token ids the engine's chat call prefills for it and, for a
+    chat, the messages and template an app hands that call (an API path makes the call itself
+    and checks it prefills these ids). A prompt cut short of its chat has no messages."""
+
+    ids: tuple[int, ...]
+    messages: tuple[Mapping[str, str], ...] | None = None
+    template: ChatTemplate | None = None
+
+    def cut(self, n_tokens: int) -> Prompt:
+        """The first ``n_tokens`` ids alone, sent as a plain prompt."""
+        return Prompt(self.ids[:n_tokens])
+
+
 @runtime_checkable
 class ReplaysPrefix(Protocol):
     """Prefix-cache capability ``replay``: the engine's own public path (a server, or the API
     apps call) decides its reuse when the edited prompt arrives, and counts it."""
 
-    def replay(self, token_ids: Sequence[int], reply: Sequence[int]) -> Reuse:
+    def request(self, prompt: Prompt) -> None:
+        """Send the first prompt as an app does, one token generated: the cache then holds it."""
+        ...
+
+    def replay(self, prompt: Prompt, reply: Sequence[int]) -> Reuse:
         """Send the prompt, then generate ``reply`` with each of its tokens forced, scoring
         each from the logits the engine computed with the reused cache."""
         ...
 
-    def score_fresh(self, token_ids: Sequence[int], reply: Sequence[int]) -> np.ndarray | None:
-        """The same prompt and forced reply on the same engine and settings, with nothing
-        reused (a fresh prefill): the reference ``replay``'s scores are checked against."""
+    def score_fresh(self, prompt: Prompt, reply: Sequence[int], cut: int = 0) -> np.ndarray | None:
+        """The same prompt and forced reply on the same engine and settings from an empty cache:
+        a fresh prefill in the engine's own batches (``cut`` 0, the reference ``replay``'s
+        scores are checked against), or, with ``cut``, the prompt's first ``cut`` ids sent as
+        a request of their own first and then the prompt reusing them, as a correct reuse cut
+        there computes it (the reuse noise floor)."""
         ...
 
 
 API_STATES = {
     "none": "the Llama keeps the first request's cache and nothing else",
-    "ram": "Llama.set_cache(LlamaRAMCache()): create_completion saves each request's state and "
-    "loads one only when its prefix is longer than what the Llama holds (so here, with the "
-    "first prompt still held, it is not read)",
-    "saved": "Llama.save_state() after the first request, reset(), load_state() before the "
-    "follow-up, as an app that persists a conversation does",
+    "ram": "Llama.set_cache(LlamaRAMCache()): each request's state is saved; after another "
+    "request in between, the follow-up's is read back (load_state) and its prefix reused",
+    "disk": "the same with LlamaDiskCache (each state pickled to a folder)",
+    "saved": "Llama.save_state() after the first request, pickled as an app persists it; "
+    "after another request, reset() and load_state() of it before the follow-up",
 }
 """How the app around llama-cpp-python's ``Llama`` keeps its states between requests
 (edit_replay's ``api_state``)."""
@@ -310,7 +331,6 @@ class ReusesThroughApi(Protocol):
 CAPABILITIES: dict[str, type] = {
     "reads_attention": ReadsAttention,
     "groups": GroupsStreams,
-    "chat_ids": TokenizesChat,
     "shifts": ReportsShifts,
     "api_reuse": ReusesThroughApi,
 }

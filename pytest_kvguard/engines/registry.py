@@ -175,7 +175,7 @@ ENGINES: dict[str, EngineInfo] = {
             position_modes=("reindexed",),
             model_forms=("url",),
             remote=True,
-            capabilities=frozenset({"chat_ids", "replay"}),
+            capabilities=frozenset({"replay"}),
         ),
     )
 }

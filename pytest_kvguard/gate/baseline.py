@@ -35,6 +35,7 @@ HIGHER_IS_BETTER = frozenset(metric for metric, higher in _GATED.items() if high
 DEFAULT_TOLERANCES = {
     "post_eviction_ppl": "2%",
     "mean_abs_nll_diff": "20%",
+    "reuse_excess": "0.05",
     "reprefill_tokens": "0",
     "reused_tokens": "0",
     "kv_entries": "exact",

@@ -169,18 +169,29 @@ class Budgets:
         " nats",
         "|dNLL|",
         "mean per-token |NLL difference| between engines, or reused cache and fresh prefill",
-        "parity: mean over tokens of |NLL(engine A) - NLL(engine B)| on the same ids, in nats; "
-        "edit_replay: the same over the forced reply, the reused cache against a fresh "
-        "prefill of the follow-up on the same engine and settings.",
+        "parity: mean over tokens of |NLL(engine A) - NLL(engine B)| on the same ids, in nats.",
     )
     max_ppl_diff_pct: float | None = _limit(
         "ppl_diff_pct",
         "max",
         "%",
         "ppl diff",
-        "perplexity difference between engines, or reused cache and fresh prefill",
-        "parity: |ppl(B) / ppl(A) - 1| in percent; edit_replay: |ppl(reused) / ppl(fresh) - 1| "
-        "over the forced reply.",
+        "perplexity difference between engines",
+        "parity: |ppl(B) / ppl(A) - 1| in percent.",
+    )
+    max_reuse_excess: float | None = _limit(
+        "reuse_excess",
+        "max",
+        " nats",
+        "reuse excess",
+        "reuse gap beyond the engine's own floor",
+        "edit_replay: the reuse gap minus the floor, in nats per forced reply token. The gap "
+        "is the mean |NLL difference| between the reused cache and a fresh prefill of the "
+        "follow-up on the same engine and settings; the floor is the same figure between a "
+        "fresh prefill cut where the reuse was cut (the tokens it kept, then the rest) and the "
+        "fresh prefill in the engine's own batches: this engine's own rounding on these ids "
+        "(0 where it is exact, and where nothing was reused).",
+        span=(-math.inf, math.inf),
     )
     max_reprefill_tokens: float | None = _limit(
         "reprefill_tokens",

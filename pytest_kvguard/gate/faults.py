@@ -72,6 +72,7 @@ def _positions_not_rebased(stack: contextlib.ExitStack) -> None:
 
 def _swa_full_ignored(stack: contextlib.ExitStack) -> None:
     import llama_cpp as lc
+    import llama_cpp.llama_cpp as bindings  # what llama-cpp-python's own Llama calls
 
     real = lc.llama_init_from_model
 
@@ -80,6 +81,7 @@ def _swa_full_ignored(stack: contextlib.ExitStack) -> None:
         return real(model, params)
 
     _set(stack, lc, "llama_init_from_model", init_without_swa_full)
+    _set(stack, bindings, "llama_init_from_model", init_without_swa_full)
 
 
 def _checkpoint_not_restored(stack: contextlib.ExitStack) -> None:
@@ -187,7 +189,7 @@ FAULTS: dict[str, Fault] = {
             "swa_full_ignored",
             "llama_cpp",
             "the context is created without swa_full although it was asked for",
-            ("gemma3-memory-swafull", "gemma3-swafull-edit-middle"),
+            ("gemma3-memory-swafull", "gemma3-swafull-edit-middle", "gemma3-swafull-resend-api"),
             _swa_full_ignored,
         ),
         Fault(
@@ -209,9 +211,8 @@ FAULTS: dict[str, Fault] = {
             "window_not_checked",
             "llama_cpp",
             "kvguard's memory path keeps a prefix although the sliding layers no longer hold "
-            "the window before the split (llama-cpp-python's Llama does so with swa_full=False; "
-            "its reuse gap catches that); llama.cpp then holds no position of the sequence",
-            ("gemma3-swa-edit-middle",),
+            "the window before the split, as llama-cpp-python's Llama does with swa_full=False",
+            ("gemma3-swa-resend",),
             _window_not_checked,
         ),
         Fault(

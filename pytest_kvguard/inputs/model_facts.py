@@ -23,7 +23,7 @@ from pytest_kvguard.inputs.model_folder import (
     sliding_facts,
     template_hash,
 )
-from pytest_kvguard.inputs.models import BUILTIN_CHAT_TEMPLATES, file_sha256, gguf_swa_layers
+from pytest_kvguard.inputs.models import file_sha256, gguf_swa_layers
 
 Fact = int | float | bool | str | None
 
@@ -208,8 +208,7 @@ def _gguf_facts(header: GgufHeader) -> ModelFacts:
         bos_text=_token_text(header, bos),
         eos_id=None if eos is None else str(eos),
         eos_text=_token_text(header, eos),
-        chat_template=template_hash(header.field("tokenizer.chat_template"))
-        or _none_or_builtin(arch),
+        chat_template=template_hash(header.field("tokenizer.chat_template")) or "none",
         sliding_window=window,
         sliding_layers=sliding,
         layers=layers,
@@ -233,11 +232,6 @@ def _token_text(header: GgufHeader, token: Any) -> str | None:
     return header.string_at("tokenizer.ggml.tokens", token)
 
 
-def _none_or_builtin(arch: str) -> str:
-    builtin = BUILTIN_CHAT_TEMPLATES.get(arch)
-    return f"none (llama.cpp built-in: {builtin})" if builtin else "none"
-
-
 def _file_type(value: Any) -> str | None:
     """``general.file_type`` by its llama.cpp name (15 -> Q4_K_M)."""
     if not isinstance(value, int):
@@ -255,15 +249,21 @@ CHAT_TOKENS = 200
 
 
 def chat_token_line(before: ModelFacts, after: ModelFacts, count: int = CHAT_TOKENS) -> str | None:
-    """Where the bundled chat, rendered by each model's template and tokenized by its
-    tokenizer, first differs in its first ``count`` tokens (compared as text, since two
-    vocabularies number tokens differently); None where that cannot be told here."""
+    """Where the bundled chat's ids, as llama-cpp-python's chat call makes them for each model
+    (its template, the generation prompt, special tokens parsed), first differ in their first
+    ``count`` tokens (compared as text, since two vocabularies number tokens differently);
+    None where that cannot be told here."""
     paths = (before.path, after.path)
     if count <= 0 or not all(p.is_file() for p in paths):
         return None
-    from pytest_kvguard.inputs.chats import DEFAULT_CHAT, history, load_conversation
+    from pytest_kvguard.inputs.chats import (
+        DEFAULT_CHAT,
+        NoChatTemplate,
+        history,
+        load_conversation,
+    )
 
-    label = f"{DEFAULT_CHAT} chat, first {count} rendered tokens"
+    label = f"{DEFAULT_CHAT} chat, first {count} tokens of the chat call"
     try:
         from pytest_kvguard.engines.gguf_vocab import GgufVocab
     except ImportError:  # llama-cpp-python is optional
@@ -275,8 +275,10 @@ def chat_token_line(before: ModelFacts, after: ModelFacts, count: int = CHAT_TOK
     try:
         for path in paths:
             vocab = GgufVocab(path)
-            ids = vocab.tokenize(vocab.render_chat(messages))
+            ids = vocab.chat_ids(messages)
             pieces.append([vocab.token_piece(t) for t in ids])
+    except NoChatTemplate:
+        return f"{label}: not compared ({path.name} carries no chat template)"
     except EngineError as exc:  # a file with no usable vocabulary still has its facts
         return f"{label}: not compared ({exc})"
     first, second = (p[:count] for p in pieces)

@@ -183,17 +183,11 @@ class ModelArch:
         return self.n_layers * per_layer
 
 
-BUILTIN_CHAT_TEMPLATES = {"gemma3": "gemma", "gemma2": "gemma", "gemma": "gemma"}
-"""llama.cpp built-in template names, for GGUF files that carry no template, by architecture."""
-
-
-def builtin_chat_template(path: Path) -> str | None:
-    """The built-in template kvguard renders chats with where the GGUF carries none (the
-    Gemma 3 base GGUF); None where the file has its own."""
-    header = read_gguf_header(path)
-    if header.field("tokenizer.chat_template"):
-        return None
-    return BUILTIN_CHAT_TEMPLATES.get(str(header.field("general.architecture")))
+def gguf_chat_template(path: Path) -> str | None:
+    """The chat template a GGUF file carries (``tokenizer.chat_template``); None where it
+    carries none (the bundled Gemma 3 270M, a base model)."""
+    template = read_gguf_header(path).field("tokenizer.chat_template")
+    return template if isinstance(template, str) and template else None
 
 
 @cached_per_file

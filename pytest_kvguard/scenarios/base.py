@@ -32,8 +32,8 @@ from pytest_kvguard.scenarios.feeding import StreamRun
 SpecT = TypeVar("SpecT")
 T = TypeVar("T")
 
-PARAM_KINDS = {"int": "an integer", "str": "a string", "ints": "a list of integers",
-               "strs": "a list of names"}  # fmt: skip
+PARAM_KINDS = {"int": "an integer", "str": "a string", "bool": "true or false",
+               "ints": "a list of integers", "strs": "a list of names"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -56,11 +56,11 @@ class Param:
         key = f"params.{self.name}"
         is_list = self.kind in ("ints", "strs")
         items = value if is_list else [value]
-        wanted = int if self.kind in ("int", "ints") else str
+        wanted = {"int": int, "ints": int, "bool": bool}.get(self.kind, str)
         if is_list and value == []:
             raise KvguardError(f"{key} is an empty list", fix="name one value or more", key=key)
         if (is_list and not isinstance(value, (list, tuple))) or any(
-            isinstance(v, bool) or not isinstance(v, wanted) for v in items
+            isinstance(v, bool) != (wanted is bool) or not isinstance(v, wanted) for v in items
         ):
             raise KvguardError(
                 f"{key} must be {PARAM_KINDS[self.kind]}, got {value!r}",

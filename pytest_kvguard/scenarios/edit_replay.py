@@ -1,11 +1,14 @@
 """Scenario ``edit_replay``: a long chat is cached, a follow-up arrives; count what is re-prefilled.
 
 The follow-up is an edited earlier message, a regenerated last reply, a plain appended turn, or
-history trimmed as templates and agent frameworks do (earlier reasoning dropped). Both prompts are
-rendered with the model's own chat template and tokenized by the engine; what is reused is the
-decision of the engine's user-facing API (``via: api``) or of kvguard from the engine's memory
-operations (``via: memory``). Token counts are exact; a fixed reply forced after the follow-up
-is scored against a fresh prefill, so a reuse that is counted is also checked to be right.
+history trimmed as templates and agent frameworks do (earlier reasoning dropped). Both requests
+are the ids the engine's own chat call prefills (``Engine.chat_ids``: the model's chat template
+or the check's, the generation prompt, special tokens parsed); what is reused is the decision
+of the engine's user-facing API (``via: api``, which makes the chat call itself) or of kvguard
+from the engine's memory operations (``via: memory``). Token counts are exact; a fixed reply
+forced after the follow-up is scored against a fresh prefill on the same engine and settings,
+and the gap judged against the engine's own floor (fresh prefills cut where a correct reuse
+may be cut), so a reuse that is counted is also checked to be right.
 """
 
 from __future__ import annotations
@@ -18,18 +21,20 @@ from typing import Any
 
 from pytest_kvguard.engines import (
     API_STATES,
+    Prompt,
     ReusesThroughApi,
-    TokenizesChat,
     engine_info,
 )
 from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.gate.budgets import Budgets
 from pytest_kvguard.gate.policies import DEFAULT_CHECKPOINT_STEP, Policy
 from pytest_kvguard.inputs.chats import (
+    BUNDLED_TEMPLATES,
     DEFAULT_CHAT,
     FOLLOWUPS,
     followup,
     history,
+    load_chat_template,
     load_conversation,
     reply_ids,
 )
@@ -68,9 +73,14 @@ class ReplaySpec:
     """Whose decision the reuse is (``VIA``)."""
     api_state: str = "none"
     """How the app around llama-cpp-python's Llama keeps states (``API_STATES``)."""
-    reply_tokens: int = 64
+    reply_tokens: int = 128
     """Forced reply tokens scored against a fresh prefill (0: not scored, also where the
     engine is a server elsewhere speaking the OpenAI API, which cannot force tokens)."""
+    chat_template: str | None = None
+    """The chat template the check gives its engines (None: the model's own)."""
+    stale_window: bool = False
+    """The check reuses a prefix whose sliding window is gone on purpose: an error, not a
+    verdict, where the reuse kept its window."""
 
     def describe_followup(self) -> str:
         """``edit #13``, ``append``."""
@@ -107,9 +117,10 @@ class EditReplayScenario(Scenario[ReplaySpec]):
               "use only the chat's first this many messages (default: all); "
               f"'{DEFAULT_CHAT}' with 11 is 1,845 tokens on Gemma 3, 1,927 on SmolLM2",
               minimum=2),
-        Param("followup", "str", None, "edit, regenerate, append or trim_reasoning (required)"),
+        Param("followup", "str", None,
+              "edit, resend, regenerate, append or trim_reasoning (required)"),
         Param("message", "int", None,
-              "edit: index of the edited message (negative counts from the end)"),
+              "edit, resend: index of the edited message (negative counts from the end)"),
         Param("checkpoints", "int", 0,
               "swa: keep at most this many sliding-layer checkpoints (0: none)",
               minimum=0),
@@ -122,14 +133,21 @@ class EditReplayScenario(Scenario[ReplaySpec]):
         Param("api_state", "str", "none",
               "llama_cpp with via: api: none, ram (Llama.set_cache(LlamaRAMCache())) or saved "
               "(save_state after the first request, load_state before the follow-up)"),
-        Param("reply_tokens", "int", 64,
+        Param("reply_tokens", "int", 128,
               "tokens of a fixed reply forced after the follow-up and scored against a fresh "
-              "prefill (0: no correctness score)", minimum=0),
+              "prefill and the engine's floor (0: no correctness score)", minimum=0),
+        Param("chat_template", "str", None,
+              "the chat template every engine applies, as an app passes one: a Jinja file or "
+              f"{', '.join(BUNDLED_TEMPLATES)} (bundled); default: the model's own. A model "
+              "without one needs it: the engines' own fallbacks differ"),
+        Param("stale_window", "bool", False,
+              "true: the check reuses a prefix whose sliding window is gone on purpose (a "
+              "control, or a finding): ERROR where the reuse kept its whole window "
+              "(window_missing_tokens 0), since it then tests nothing stale; llama_cpp via api"),
         *KV_PRECISION,
     )  # fmt: skip
     budgets = ("max_reprefill_tokens", "max_reprefill_fraction", "min_reused_tokens",
-               "max_memory_bytes", "max_mean_abs_nll_diff", "max_ppl_diff_pct",
-               "max_window_missing_tokens")  # fmt: skip
+               "max_memory_bytes", "max_reuse_excess", "max_window_missing_tokens")  # fmt: skip
     engine_path = "prefix_cache"
     detail_type = ReplayDetail
     serves_running_server = True
@@ -193,89 +211,109 @@ class EditReplayScenario(Scenario[ReplaySpec]):
                 fix="use one of " + ", ".join(FOLLOWUPS),
                 key="params.followup",
             )  # fmt: skip
-        if (kind == "edit") != (message is not None):
+        if (kind in ("edit", "resend")) != (message is not None):
             raise KvguardError(
-                "params.message goes with followup: edit, and only with it",
-                fix="give the index of the edited message with edit; drop it otherwise",
+                "params.message goes with followup: edit or resend, and only with them",
+                fix="give the index of the edited message with edit or resend; drop it otherwise",
                 key="params.message" if message is not None else "params.followup",
             )
         # Parse the chat now: a bad file or index fails before any engine loads.
         conversation = load_conversation(p["chat"], fields.base_dir).first(p["chat_messages"])
         followup(conversation, kind, message)
+        template = p["chat_template"]
+        if template is not None:
+            load_chat_template(template, fields.base_dir)  # a bad file fails here
+        if p["stale_window"] and not (fields.engine == "llama_cpp" and via == "api"):
+            raise KvguardError(
+                "params.stale_window is checked against the window the cache still held when "
+                "the engine kept its prefix, which only llama_cpp via: api reads",
+                fix="drop params.stale_window, or use engine llama_cpp with via: api",
+                key="params.stale_window",
+            )
         reply_tokens = 0 if info.remote else p["reply_tokens"]
         return ReplaySpec(policy, p["chat"], kind, message, p["chat_messages"], via,
-                          p["api_state"], reply_tokens)  # fmt: skip
+                          p["api_state"], reply_tokens, template, p["stale_window"])  # fmt: skip
 
     def check_budgets(self, spec: ReplaySpec, budgets: Budgets) -> None:
         """A correctness budget needs a scored reply."""
-        for name in ("max_mean_abs_nll_diff", "max_ppl_diff_pct"):
-            if spec.reply_tokens == 0 and getattr(budgets, name) is not None:
-                raise KvguardError(
-                    f"budget {name} compares a scored reply with a fresh prefill, and this check "
-                    "scores none (reply_tokens: 0, or a server elsewhere: the OpenAI API cannot "
-                    "force tokens)",
-                    fix=f"remove {name}, or set params.reply_tokens to 1 or more on an engine "
-                    "kvguard runs",
-                    key=f"budgets.{name}",
-                )
+        if spec.reply_tokens == 0 and budgets.max_reuse_excess is not None:
+            raise KvguardError(
+                "budget max_reuse_excess compares a scored reply with fresh prefills, and this "
+                "check scores none (reply_tokens: 0, or a server elsewhere: the OpenAI API "
+                "cannot force tokens)",
+                fix="remove max_reuse_excess, or set params.reply_tokens to 1 or more on an "
+                "engine kvguard runs",
+                key="budgets.max_reuse_excess",
+            )
 
     def run(self, ctx: Context, check: Check[ReplaySpec]) -> Measured:
-        """Cache the chat under the policy, send the follow-up, count reused and re-prefilled."""
+        """Cache the chat under the policy, send the follow-up, count reused and re-prefilled,
+        and score the reply against fresh prefills."""
         spec = check.spec
         loaded = ctx.engine(check.engine, check.model)
         conversation = load_conversation(spec.chat, check.base_dir).first(spec.chat_messages)
-        chats = (history(conversation), followup(conversation, spec.followup, spec.message))
-        # Engine openai takes the ids from its server (vLLM renders and tokenizes a chat in one
-        # call) through tokenize_chat; the others render the template, then tokenize the text.
-        if isinstance(loaded, TokenizesChat):
-            first_ids, second_ids = (loaded.tokenize_chat(chat) for chat in chats)
-            first_text = json.dumps(chats[0])  # no rendered text: the messages stand for it
-        else:
-            first_text, second_text = (loaded.render_chat(chat) for chat in chats)
-            first_ids, second_ids = loaded.tokenize(first_text), loaded.tokenize(second_text)
+        template = (None if spec.chat_template is None
+                    else load_chat_template(spec.chat_template, check.base_dir))  # fmt: skip
+        first, second = (
+            Prompt(tuple(loaded.chat_ids(chat, template)), tuple(chat), template)
+            for chat in (history(conversation), followup(conversation, spec.followup,
+                                                          spec.message))
+        )  # fmt: skip
         reply = reply_ids(loaded.tokenize, spec.reply_tokens)
         label = (f"{check.engine} {check.model.name} {spec.policy.describe()} {spec.followup} "
                  f"via {spec.via}")  # fmt: skip
         # One prefill per engine, model, policy and chat on the memory path; each follow-up
         # restores the engine's own snapshot of it into a fresh cache. The API path prefills
         # each time: what it keeps between requests is the engine's own business.
-        key = ("prefilled", check.engine, check.model.resolve(), spec.policy, tuple(first_ids))
+        key = ("prefilled", check.engine, check.model.resolve(), spec.policy, first.ids)
         prefilled = ctx.saved(key) if spec.via == "memory" else None
         if prefilled is None:
-            ctx.say(f"{label}: prefilling {len(first_ids)} tokens, then the follow-up")
+            ctx.say(f"{label}: prefilling {len(first.ids)} tokens, then the follow-up")
         else:
-            ctx.say(f"{label}: restoring the saved {len(first_ids)}-token prefill")
-        # The fresh reference depends on the engine, model, path, cache settings and tokens,
-        # not on checkpoints (copies taken between the same batches) nor on how an app keeps
-        # states (the reference request starts from an empty cache): checks that differ only
-        # there score against one reference, computed once per session.
-        reference_key = (
-            "fresh_reference", check.engine, check.model.resolve(), spec.via,
+            ctx.say(f"{label}: restoring the saved {len(first.ids)}-token prefill")
+        # The fresh prefills depend on the engine, model, path, cache settings and tokens, not
+        # on checkpoints (copies taken between the same batches) nor on how an app keeps
+        # states (they start from an empty cache): checks that differ only there share them,
+        # each computed once per session, the reference (cut 0) and each floor cut alike.
+        fresh_key = (
+            "fresh_prefill", check.engine, check.model.resolve(), spec.via,
             replace(spec.policy, checkpoints=0, checkpoint_step=DEFAULT_CHECKPOINT_STEP),
-            len(first_ids), tuple(second_ids), tuple(reply),
+            len(first.ids), second.ids, tuple(reply),
         )  # fmt: skip
-        reference = ctx.saved(reference_key) if reply else None
-        run, saved = run_edit_replay(
-            loaded, spec.policy, first_ids, second_ids, prefilled, reply, spec.via,
-            spec.api_state, reference,
+        known = ctx.saved(fresh_key) or {}
+        run, saved, fresh = run_edit_replay(
+            loaded, spec.policy, first, second, prefilled, reply, spec.via, spec.api_state,
+            known,
         )  # fmt: skip
         if prefilled is None and saved is not None:
             ctx.save(key, saved)
-        if reference is None and run.replay.fresh_nll is not None:
-            ctx.save(reference_key, run.replay.fresh_nll)
+        ctx.save(fresh_key, fresh)
         replay = run.replay
-        gap = run.metrics["mean_abs_nll_diff"]
-        shared = " (the same reference as an earlier check)" if reference is not None else ""
+        m = run.metrics
+        shared = sorted(c for c in fresh if c in known)
+        cut = ", ".join(map(str, sorted(replay.cut_nll))) or "none"
         ctx.say(f"{label}: reused {replay.reused}, re-prefilled {replay.reprefilled} "
-                f"in {replay.seconds:.1f} s; reply vs a fresh prefill: mean |dNLL| {gap:.2e} "
-                f"over {len(reply)} tokens{shared}")  # fmt: skip
+                f"in {replay.seconds:.1f} s; reply vs a fresh prefill over {len(reply)} tokens: "
+                f"mean |dNLL| {m['mean_abs_nll_diff']:.4f} nats, floor {m['reuse_floor']:.4f} "
+                f"(cut at {cut}), excess {m['reuse_excess']:+.4f}, shift {m['nll_shift']:+.4f}"
+                + (f"; fresh prefills cut at {shared} shared with an earlier check"
+                   if shared else ""))  # fmt: skip
+        if spec.stale_window and replay.reused and not m.get("window_missing_tokens"):
+            raise KvguardError(
+                f"this check is built to reuse a prefix whose sliding window is gone, and the "
+                f"engine kept {replay.reused} tokens with their whole window: it no longer "
+                "tests a stale reuse (the edit moved inside the window?)",
+                fix="move params.message earlier (further from the end than the window), or "
+                "drop params.stale_window",
+                key="params.stale_window",
+            )
         path = spec.via
         if spec.via == "api" and isinstance(loaded, ReusesThroughApi):
             path = loaded.api_calls(spec.api_state)
         return Measured(
             policy=spec.policy.describe(),
             tokens=replay.prompt_tokens,
-            text=Text(conversation.name, first_text),
+            text=Text(conversation.name, json.dumps(first.messages)),
             metrics=run.metrics,
             seconds={
                 "prefill": run.prefill_seconds,
@@ -288,13 +326,14 @@ class EditReplayScenario(Scenario[ReplaySpec]):
 
     def table(self, outcomes: Sequence[Any]) -> tuple[list[str], list[list[list[str]]]]:
         headers = ["follow-up", "via", "prompt", "split", "reused", "re-prefilled",
-                   "reuse gap", "memory", "replay s"]  # fmt: skip
+                   "reuse gap", "floor", "excess", "memory", "replay s"]  # fmt: skip
         lines = []
         for o in outcomes:
             m = o.metrics
             lines.append([[
                 o.detail.followup, o.detail.via, str(o.tokens), f"{m['split']:.0f}",
-                f"{m['reused_tokens']:.0f}", f"{m['reprefill_tokens']:.0f}", format_gap(m),
+                f"{m['reused_tokens']:.0f}", f"{m['reprefill_tokens']:.0f}",
+                *format_gap(m),
                 # A server elsewhere does not say what its cache costs.
                 "-" if math.isnan(m["memory_bytes"]) else mib(m["memory_bytes"]),
                 f"{o.seconds['replay']:.1f}",
@@ -302,13 +341,14 @@ class EditReplayScenario(Scenario[ReplaySpec]):
         return headers, lines
 
 
-def format_gap(metrics: Mapping[str, float]) -> str:
-    """The reuse gap as the table shows it: mean |dNLL| in nats over the scored reply tokens
-    (``-`` where nothing was scored)."""
-    mean = metrics.get("mean_abs_nll_diff", math.nan)
-    if math.isnan(mean):
-        return "-"
-    return "0" if mean == 0 else f"{mean:.2e}"
+def format_gap(metrics: Mapping[str, float]) -> tuple[str, str, str]:
+    """The reuse gap (mean |dNLL|), the floor and the excess as the table shows them, in
+    nats per reply token (``-`` where nothing was scored)."""
+    gap = metrics.get("mean_abs_nll_diff", math.nan)
+    if math.isnan(gap):
+        return "-", "-", "-"
+    return (f"{gap:.4f}", f"{metrics['reuse_floor']:.4f}",
+            f"{metrics['reuse_excess']:+.4f}")  # fmt: skip
 
 
 SCENARIO = EditReplayScenario()

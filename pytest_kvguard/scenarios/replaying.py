@@ -5,8 +5,8 @@ prefill of the follow-up on the same engine and settings."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -14,6 +14,7 @@ import numpy as np
 from pytest_kvguard.engines import (
     Engine,
     PrefixCache,
+    Prompt,
     ReplaysPrefix,
     ReusesThroughApi,
     SnapshotsPrefix,
@@ -35,14 +36,27 @@ class Replay:
     reprefilled: int
     """Tokens decoded again (llama-server's prompt_n)."""
     restored_checkpoint: int | None
-    """Tokens covered by the checkpoint restored, if one was."""
+    """Tokens covered by the checkpoint restored, if one was (or the app's state loaded)."""
     seconds: float
     reply_nll: np.ndarray | None = None
     """-log p of each forced reply token after the follow-up, from the reused cache."""
     fresh_nll: np.ndarray | None = None
     """The same, after a fresh prefill of the follow-up on the same engine and settings."""
+    cut_nll: Mapping[int, np.ndarray] = field(default_factory=dict)
+    """The same after a fresh prefill cut where this reuse was cut (``floor_cuts``), by the
+    cut: the engine's own floor."""
     window_missing: int | None = None
     """Sliding-window positions under the reused prefix the cache no longer held (Reuse)."""
+
+
+def floor_cuts(reused: int, prompt_tokens: int) -> list[int]:
+    """Where the floor's fresh prefill is cut: where this reuse cut the follow-up, between the
+    tokens it kept and those it prefilled (the split, a restored checkpoint, the engine's own
+    rounding), for a correct reuse cut there computes its cache in those two parts; the
+    reference it is set against is the fresh prefill in the engine's own batches (cut 0). A
+    reuse that kept nothing has no cut: its replay is a fresh prefill itself, and its floor
+    is 0."""
+    return [reused] if 0 < reused < prompt_tokens else []
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -85,7 +99,7 @@ class ReplayRun:
             "checkpoint_bytes": self.memory["checkpoint_bytes"],
             "checkpoints": self.memory["checkpoints"],
             "memory_bytes": self.memory["state_bytes"] + self.memory["checkpoint_bytes"],
-            **reuse_gap(r.reply_nll, r.fresh_nll),
+            **reuse_gap(r.reply_nll, r.fresh_nll, r.cut_nll),
             **({} if r.window_missing is None else
                {"window_missing_tokens": float(r.window_missing)}),
         }  # fmt: skip
@@ -105,30 +119,37 @@ def open_replay_cache(
 def run_edit_replay(
     engine: Engine,
     policy: Policy,
-    first_ids: Sequence[int],
-    followup_ids: Sequence[int],
+    first: Prompt,
+    followup: Prompt,
     prefilled: object | None = None,
     reply_ids: Sequence[int] = (),
     via: str = "memory",
     api_state: str = "none",
-    fresh_nll: np.ndarray | None = None,
-) -> tuple[ReplayRun, object | None]:
+    fresh: Mapping[int, np.ndarray] | None = None,
+) -> tuple[ReplayRun, object | None, dict[int, np.ndarray]]:
     """Prefill the first prompt into a fresh cache (or restore ``prefilled``, what the engine's
     prefix cache ``save`` returned after that prefill), then replay the follow-up against it:
     through the cache's ``replay`` where it has one (a server, or the API apps call, counting
     its own reuse), else by keeping the longest prefix the engine can use and prefilling the
     rest. With ``reply_ids``, the reply is then forced token by token and scored, and scored
-    again after a fresh prefill of the follow-up on the same engine and settings, unless
-    ``fresh_nll`` already holds that reference (an earlier check computed the very same one).
-    Also returns the saved prefill for the next follow-up, where the engine can save one."""
+    again on the same engine and settings after fresh prefills of the follow-up: in the
+    engine's own batches (cut 0, the reference) and cut where the reuse was (``floor_cuts``),
+    each taken from ``fresh`` where an earlier check computed the very same one.
+    Returns the run, the saved prefill for the next follow-up where the engine can save one,
+    and the fresh scores by cut (``fresh`` and those computed here)."""
+    first_ids, followup_ids = first.ids, followup.ids
     longest = max(len(first_ids), len(followup_ids)) + len(reply_ids)
     cache = open_replay_cache(engine, policy, longest, via, api_state)
     reply_nll: np.ndarray | None = None
     window_missing: int | None = None
+    scores = dict(fresh or {})
     try:
         if prefilled is None:
             started = time.perf_counter()
-            cache.extend(first_ids, 0)
+            if isinstance(cache, ReplaysPrefix):
+                cache.request(first)
+            else:
+                cache.extend(first_ids, 0)
             seconds = time.perf_counter() - started
             prefilled = cache.save() if isinstance(cache, SnapshotsPrefix) else None
         else:
@@ -140,7 +161,7 @@ def run_edit_replay(
         split = common_prefix(first_ids, followup_ids)
         if isinstance(cache, ReplaysPrefix):
             # The engine's own path decides its reuse when the follow-up arrives, and counts it.
-            reuse = cache.replay(followup_ids, reply_ids)
+            reuse = cache.replay(followup, reply_ids)
             reused, reprefilled = reuse.reused, reuse.reprefilled
             restored, reply_nll = reuse.restored_checkpoint, reuse.reply_nll
             window_missing = reuse.window_missing
@@ -161,14 +182,19 @@ def run_edit_replay(
                 cache.extend(followup_ids[-1:], len(followup_ids) - 1)
         replay_seconds = time.perf_counter() - started
         started = time.perf_counter()
-        if reply_ids and fresh_nll is None and isinstance(cache, ReplaysPrefix):
-            # The engine's own request with nothing reused, on the same server or API object.
-            fresh_nll = cache.score_fresh(followup_ids, reply_ids)
+        cuts = [0, *floor_cuts(reused, len(followup_ids))] if reply_ids else []
+        if isinstance(cache, ReplaysPrefix):
+            # The engine's own requests on the same server or API object, from an empty cache.
+            for cut in cuts:
+                if cut not in scores:
+                    scores[cut] = np.asarray(cache.score_fresh(followup, reply_ids, cut))
     finally:
         cache.close()
-    if reply_ids and fresh_nll is None and not isinstance(cache, ReplaysPrefix):
-        # Opened after the replayed cache is closed: the two never hold memory at once.
-        fresh_nll = fresh_prefill_scores(engine, policy, longest, followup_ids, reply_ids)
+    for cut in cuts:
+        if cut not in scores:
+            # Opened after the replayed cache is closed: the two never hold memory at once.
+            scores[cut] = fresh_prefill_scores(engine, policy, longest, followup_ids,
+                                               reply_ids, cut)  # fmt: skip
     reference_seconds = time.perf_counter() - started
     replay = Replay(
         prompt_tokens=len(followup_ids),
@@ -178,11 +204,12 @@ def run_edit_replay(
         restored_checkpoint=restored,
         seconds=replay_seconds,
         reply_nll=reply_nll,
-        fresh_nll=fresh_nll,
+        fresh_nll=scores.get(0),
+        cut_nll={c: scores[c] for c in cuts if c},
         window_missing=window_missing,
     )
     run = ReplayRun(policy, len(first_ids), replay, memory, seconds, reference_seconds)
-    return run, prefilled
+    return run, prefilled, scores
 
 
 def score_reply(cache: PrefixCache, prompt_ids: Sequence[int], reply_ids: Sequence[int]) -> Any:
@@ -197,12 +224,16 @@ def fresh_prefill_scores(
     max_tokens: int,
     prompt_ids: Sequence[int],
     reply_ids: Sequence[int],
+    cut: int = 0,
 ) -> np.ndarray:
     """kvguard's memory path: the forced reply's scores in a fresh cache of the same policy,
-    the prompt prefilled from token 0 in the engine's usual calls."""
+    the prompt prefilled from token 0 in the engine's usual calls; with ``cut``, its first
+    ``cut`` tokens prefilled first and the rest after them, as a correct reuse cut there."""
     fresh = engine.open_prefix_cache(policy, max_tokens)
     try:
-        fresh.extend(prompt_ids[:-1], 0)
+        if cut:
+            fresh.extend(prompt_ids[:cut], 0)
+        fresh.extend(prompt_ids[cut:-1], cut)
         nll: np.ndarray = score_reply(fresh, prompt_ids, reply_ids)
         return nll
     finally:

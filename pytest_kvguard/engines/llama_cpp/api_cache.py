@@ -1,26 +1,43 @@
-"""edit_replay through llama-cpp-python's ``Llama``, the path most Python apps call: the first
-prompt and the follow-up go through ``Llama.create_completion``, whose own prefix matching (in
-``Llama.generate``) decides what the follow-up reuses; kvguard only reads the counts off the
-``Llama``'s own state and scores a forced reply through a ``logits_processor``."""
+"""edit_replay through llama-cpp-python's ``Llama``, the path most Python apps call: each chat
+request goes through ``Llama.create_chat_completion`` (the model's chat template, or the one
+the check gives, as the ``Llama``'s chat handler), whose own prefix matching (in
+``Llama.generate``) decides what the follow-up reuses; kvguard reads the counts off the
+``Llama``'s own state and scores a forced reply through a ``logits_processor``.
+
+How the app keeps states between requests (``api_state``) is llama-cpp-python's own too: its
+``LlamaRAMCache`` or ``LlamaDiskCache`` read back after a request in between, or a
+``save_state`` pickled and loaded again.
+"""
 
 from __future__ import annotations
 
+import pickle
+import tempfile
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import llama_cpp as lc
 import numpy as np
 
+from pytest_kvguard.engines.gguf_vocab import chat_handler
 from pytest_kvguard.engines.llama_cpp.context import UBATCH
 from pytest_kvguard.engines.llama_cpp.prefix_cache import window_missing
-from pytest_kvguard.engines.protocols import Reuse
+from pytest_kvguard.engines.protocols import Prompt, Reuse
 from pytest_kvguard.errors import EngineError
 from pytest_kvguard.gate.policies import Policy
 
 if TYPE_CHECKING:
     from pytest_kvguard.engines.llama_cpp.engine import LlamaCppEngine
+    from pytest_kvguard.inputs.chats import ChatTemplate
 
-API_CALLS = "llama_cpp.Llama.create_completion (Llama.generate's own prefix match)"
+API_CALLS = "llama_cpp.Llama.create_chat_completion (Llama.generate's own prefix match)"
+CONTEXT_STEP = 1024
+"""A shared ``Llama``'s context is the check's need rounded up to this, so checks of similar
+sizes share one (the context's size does not change what a request computes)."""
+BETWEEN = ({"role": "user", "content": "What does the len() function return for a dict?"},)
+"""The request an app serves between the first prompt and the follow-up (another user's, a
+new chat): the ``Llama`` then holds something else, so the follow-up's state must come from
+the app's state cache."""
 
 
 def swa_full_setting(policy: Policy) -> bool | None:
@@ -47,44 +64,35 @@ def forcing_processor(reply: Sequence[int], nll: list[float]) -> Callable[[Any, 
     return force
 
 
-class LlamaApiCache:
-    """A ``Llama`` holding the first prompt; the follow-up's reuse is its own decision.
+class CountedLlama:
+    """One ``Llama`` per model, ``swa_full`` setting and context size in a worker, shared by
+    the checks that ask for it; it counts what each request kept and evaluated."""
 
-    Counts come from the ``Llama``'s own state: ``n_tokens`` when it starts evaluating the
-    follow-up (the prefix it kept) and the tokens it then evaluates.
-    """
-
-    def __init__(
-        self, engine: LlamaCppEngine, policy: Policy, max_tokens: int, state: str = "none"
-    ) -> None:
+    def __init__(self, engine: LlamaCppEngine, swa_full: bool | None, n_ctx: int) -> None:
         from llama_cpp import Llama
-        from llama_cpp.llama_cache import LlamaRAMCache
 
         settings: dict[str, Any] = {
-            "model_path": str(engine.model_path), "n_ctx": max_tokens + 1, "n_batch": UBATCH,
+            "model_path": str(engine.model_path), "n_ctx": n_ctx, "n_batch": UBATCH,
             "n_ubatch": UBATCH, "n_threads": engine.options.n_threads,
             "n_threads_batch": engine.options.n_threads,
             "n_gpu_layers": engine.options.n_gpu_layers, "verbose": False,
         }  # fmt: skip
-        swa_full = swa_full_setting(policy)
         if swa_full is not None:
             settings["swa_full"] = swa_full
         try:
             self.llm = Llama(**settings)
         except (ValueError, RuntimeError) as exc:
             raise EngineError(f"llama_cpp.Llama could not load the model: {exc}") from None
-        self.state = state
-        self.saved: Any = None
-        """The state ``save_state`` copied after the first request (``state: saved``)."""
-        if state == "ram":
-            self.llm.set_cache(LlamaRAMCache())
+        self.n_ctx = n_ctx
+        self.handlers: dict[str, Any] = {}
         self.evaluations: list[tuple[int, int]] = []
         """(n_tokens before, tokens evaluated) of each ``Llama.eval`` call of a request."""
         self.oldest_held = -1
         """The oldest position the cache held when a request's first ``Llama.eval`` began."""
-        # With swa_full the sliding layers keep every position: no window can go missing.
-        self.n_swa = 0 if swa_full is not False else engine.n_swa
-        real_eval = self.llm.eval
+        self.loaded: int | None = None
+        """Tokens of the last state ``Llama.load_state`` loaded (an app's state read back)
+        since the Llama was emptied; None: none was."""
+        real_eval, real_load = self.llm.eval, self.llm.load_state
 
         def counted_eval(tokens: Sequence[int]) -> None:
             if not self.evaluations:
@@ -94,71 +102,171 @@ class LlamaApiCache:
             self.evaluations.append((int(self.llm.n_tokens), len(tokens)))
             real_eval(tokens)
 
-        self.llm.eval = counted_eval  # type: ignore[method-assign]
+        def counted_load(state: Any) -> None:
+            self.loaded = int(state.n_tokens)
+            real_load(state)
 
-    def _complete(self, token_ids: Sequence[int], reply: Sequence[int]) -> list[float]:
-        """One ``create_completion`` of the prompt: the reply forced token by token (one token,
-        unscored, without a reply); -log p of each reply token."""
+        self.llm.eval = counted_eval  # type: ignore[method-assign]
+        self.llm.load_state = counted_load  # type: ignore[method-assign]
+
+    def empty(self) -> None:
+        """Nothing held, no state cache: as a new app would find it."""
+        self.llm.set_cache(None)
+        self.llm.reset()  # type: ignore[no-untyped-call]
+        self.loaded = None
+
+    def use_template(self, template: ChatTemplate | None) -> None:
+        """The chat handler an app passes for ``template`` (None: the model's own)."""
+        if template is None:
+            self.llm.chat_handler = None
+            return
+        if template.source not in self.handlers:
+            self.handlers[template.source] = chat_handler(self.llm, template)
+        self.llm.chat_handler = self.handlers[template.source]
+
+    def send(self, prompt: Prompt, reply: Sequence[int]) -> list[float]:
+        """One request: a chat through ``create_chat_completion`` (checked to prefill the
+        prompt's ids), a cut prompt through ``create_completion``; the reply forced token by
+        token (one token, unscored, without a reply); -log p of each reply token."""
         from llama_cpp import LogitsProcessorList
 
         nll: list[float] = []
         self.evaluations.clear()
-        answer = self.llm.create_completion(
-            prompt=list(token_ids), max_tokens=max(len(reply), 1), temperature=0.0,
-            logits_processor=LogitsProcessorList([forcing_processor(reply, nll)]) if reply
+        options: dict[str, Any] = {
+            "max_tokens": max(len(reply), 1), "temperature": 0.0,
+            "logits_processor": LogitsProcessorList([forcing_processor(reply, nll)]) if reply
             else None,
-        )  # fmt: skip
+        }  # fmt: skip
+        answer: Any
+        if prompt.messages is not None:
+            self.use_template(prompt.template)
+            messages: Any = [dict(m) for m in prompt.messages]
+            answer = self.llm.create_chat_completion(messages=messages, **options)
+        else:
+            answer = self.llm.create_completion(prompt=list(prompt.ids), **options)
+        prefilled = [int(t) for t in self.llm.input_ids[: len(prompt.ids)]]
+        if prefilled != list(prompt.ids):
+            pairs = zip(prefilled, prompt.ids, strict=False)
+            at = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
+            raise EngineError(
+                f"the Llama's chat call prefilled other ids than kvguard's chat_ids (first "
+                f"difference at token {at}, {len(prefilled)} ids held for {len(prompt.ids)})"
+            )
         if reply and len(nll) != len(reply):
-            finish = answer["choices"][0].get("finish_reason")  # type: ignore[index]
+            finish = answer["choices"][0].get("finish_reason")
             raise EngineError(
                 f"Llama generated {len(nll)} of {len(reply)} forced reply tokens ({finish})"
             )
         # What the Llama holds after the prompt: the reply tokens it evaluated (the last one
         # sampled may not be).
-        held = [int(t) for t in self.llm.input_ids[len(token_ids) : self.llm.n_tokens]]
+        held = [int(t) for t in self.llm.input_ids[len(prompt.ids) : self.llm.n_tokens]]
         if reply and (len(held) < len(reply) - 1 or held != list(reply[: len(held)])):
             raise EngineError(f"Llama generated {held[:8]}... where the reply was forced")
         return nll
 
-    def extend(self, token_ids: Sequence[int], start: int) -> None:
-        if start != 0:
-            raise EngineError("a Llama is given whole prompts only")
-        self._complete(token_ids, ())
-        if self.state == "saved":
-            self.saved = self.llm.save_state()
-
-    def replay(self, token_ids: Sequence[int], reply: Sequence[int]) -> Reuse:
-        if self.saved is not None:
-            self.llm.reset()  # type: ignore[no-untyped-call]
-            self.llm.load_state(self.saved)
-        nll = self._complete(token_ids, reply)
+    def kept(self, prompt: Prompt) -> tuple[int, int]:
+        """(tokens the last request kept, tokens it evaluated), checked to add up."""
         if not self.evaluations:
-            raise EngineError("Llama evaluated nothing for the follow-up")
+            raise EngineError("Llama evaluated nothing for the prompt")
         kept, evaluated = self.evaluations[0]
-        if kept + evaluated != len(token_ids):
+        if kept + evaluated != len(prompt.ids):
             raise EngineError(
-                f"Llama kept {kept} tokens and evaluated {evaluated} for a {len(token_ids)}-"
+                f"Llama kept {kept} tokens and evaluated {evaluated} for a {len(prompt.ids)}-"
                 "token prompt"
             )
+        return kept, evaluated
+
+    def close(self) -> None:
+        self.llm.close()
+
+
+def shared_llama(engine: LlamaCppEngine, policy: Policy, max_tokens: int) -> CountedLlama:
+    """The worker's ``Llama`` for the policy's ``swa_full`` setting and a context of at least
+    ``max_tokens + 1``, loaded once."""
+    swa_full = swa_full_setting(policy)
+    n_ctx = -(-(max_tokens + 1) // CONTEXT_STEP) * CONTEXT_STEP
+    key = (swa_full, n_ctx)
+    if key not in engine.api_llamas:
+        engine.api_llamas[key] = CountedLlama(engine, swa_full, n_ctx)
+    return engine.api_llamas[key]
+
+
+class LlamaApiCache:
+    """The shared ``Llama`` holding the first prompt; the follow-up's reuse is its own decision.
+
+    Counts come from the ``Llama``'s own state: ``n_tokens`` when it starts evaluating the
+    follow-up (the prefix it kept) and the tokens it then evaluates.
+    """
+
+    def __init__(
+        self, engine: LlamaCppEngine, policy: Policy, max_tokens: int, state: str = "none"
+    ) -> None:
+        self.counted = shared_llama(engine, policy, max_tokens)
+        self.llm = self.counted.llm
+        self.counted.empty()
+        self.state = state
+        self.saved: bytes | None = None
+        """The pickled ``LlamaState`` of ``state: saved``, as an app persists it."""
+        self.folder: tempfile.TemporaryDirectory[str] | None = None
+        self.state_bytes = float("nan")
+        if state == "ram":
+            from llama_cpp.llama_cache import LlamaRAMCache
+
+            self.llm.set_cache(LlamaRAMCache())
+        elif state == "disk":
+            from llama_cpp.llama_cache import LlamaDiskCache
+
+            self.folder = tempfile.TemporaryDirectory(prefix="kvguard-llama-disk-cache-")
+            self.llm.set_cache(LlamaDiskCache(cache_dir=self.folder.name))
+        # Measured with swa_full too: its sliding layers must hold every position, so a window
+        # missing there is llama.cpp not honouring the flag.
+        self.n_swa = engine.n_swa
+
+    def request(self, prompt: Prompt) -> None:
+        self.counted.send(prompt, ())
+        self.state_bytes = float(lc.llama_state_get_size(self.llm.ctx))
+        if self.state == "saved":
+            self.saved = pickle.dumps(self.llm.save_state())
+        if self.state in ("ram", "disk", "saved"):
+            # Another request in between: what the follow-up reuses must come back from the
+            # app's own states, not from what the Llama still holds.
+            self.counted.send(Prompt((), BETWEEN, prompt.template), ())
+
+    def replay(self, prompt: Prompt, reply: Sequence[int]) -> Reuse:
+        """The follow-up; where the app keeps states, the one loaded for it is reported as
+        the restored state's tokens (none loaded: the Llama reuses what it holds, the request
+        in between, so nearly everything is prefilled again)."""
+        self.counted.loaded = None
+        if self.saved is not None:
+            self.llm.reset()  # type: ignore[no-untyped-call]
+            self.llm.load_state(pickle.loads(self.saved))  # noqa: S301 - our own pickle
+        nll = self.counted.send(prompt, reply)
+        kept, evaluated = self.counted.kept(prompt)
         return Reuse(
-            kept, evaluated, None, np.array(nll) if reply else None,
-            window_missing(kept, self.oldest_held, self.n_swa),
+            kept, evaluated, self.counted.loaded, np.array(nll) if reply else None,
+            window_missing(kept, self.counted.oldest_held, self.n_swa),
         )  # fmt: skip
 
-    def score_fresh(self, token_ids: Sequence[int], reply: Sequence[int]) -> np.ndarray:
-        # No saved state, and n_tokens = 0: nothing matches, the prompt is evaluated from 0.
-        self.llm.set_cache(None)
-        self.llm.reset()  # type: ignore[no-untyped-call]
-        nll = np.array(self._complete(token_ids, reply))
-        if self.evaluations and self.evaluations[0][0] != 0:
-            raise EngineError(f"Llama kept {self.evaluations[0][0]} tokens after reset()")
+    def score_fresh(self, prompt: Prompt, reply: Sequence[int], cut: int = 0) -> np.ndarray:
+        """From an empty ``Llama`` with no state cache; with ``cut``, ``create_completion`` of
+        the first ``cut`` ids, then the prompt (the Llama keeps those ``cut``)."""
+        self.counted.empty()
+        if cut:
+            self.counted.send(prompt.cut(cut), ())
+        nll = np.array(self.counted.send(prompt, reply))
+        kept = self.counted.kept(prompt)[0]
+        if kept != cut:
+            raise EngineError(f"Llama kept {kept} tokens where {cut} were held for it")
         return nll
 
     def memory_bytes(self) -> dict[str, float]:
-        """The context's state as ``Llama.save_state`` copies it (every cell held)."""
-        state = self.llm.save_state()
-        return {"state_bytes": float(state.llama_state_size), "checkpoint_bytes": 0.0,
+        """The context's state after the first request, as ``Llama.save_state`` copies it
+        (every cell held)."""
+        return {"state_bytes": self.state_bytes, "checkpoint_bytes": 0.0,
                 "checkpoints": 0.0}  # fmt: skip
+
+    def extend(self, token_ids: Sequence[int], start: int) -> None:
+        raise EngineError("a Llama is sent requests: use request()")
 
     def keep_prefix(self, n_tokens: int) -> tuple[int, int | None]:
         raise EngineError("Llama decides its own reuse: use replay()")
@@ -167,6 +275,8 @@ class LlamaApiCache:
         raise EngineError("Llama decides its own reuse: use replay()")
 
     def close(self) -> None:
-        llm = getattr(self, "llm", None)
-        if llm is not None:
-            llm.close()
+        """The Llama stays loaded for the next check; what this one left in it goes."""
+        self.counted.empty()
+        if self.folder is not None:
+            self.folder.cleanup()
+            self.folder = None

@@ -15,7 +15,7 @@ import numpy as np
 from pytest_kvguard.engines import gguf_vocab
 from pytest_kvguard.engines.buffer_sizes import buffer_mib
 from pytest_kvguard.engines.conversation import Turn, converse_through_stream
-from pytest_kvguard.engines.llama_cpp.api_cache import API_CALLS, LlamaApiCache
+from pytest_kvguard.engines.llama_cpp.api_cache import API_CALLS, CountedLlama, LlamaApiCache
 from pytest_kvguard.engines.llama_cpp.attention import read_attention
 from pytest_kvguard.engines.llama_cpp.context import UBATCH
 from pytest_kvguard.engines.llama_cpp.group import LlamaCppStreamGroup, solo_facts
@@ -26,6 +26,7 @@ from pytest_kvguard.engines.options import EngineOptions
 from pytest_kvguard.engines.protocols import API_STATES, AttentionRows
 from pytest_kvguard.errors import EngineError
 from pytest_kvguard.gate.policies import Policy
+from pytest_kvguard.inputs.chats import ChatTemplate
 
 
 def load(model_path: Path, options: EngineOptions) -> LlamaCppEngine:
@@ -58,6 +59,9 @@ class LlamaCppEngine:
         self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
         self.n_swa = int(lc.llama_model_n_swa(model))
         """The sliding window of the model's sliding layers; 0 for a model without them."""
+        self.chat_calls = gguf_vocab.ChatCalls(model_path)
+        self.api_llamas: dict[tuple[bool | None, int], CountedLlama] = {}
+        """llama-cpp-python ``Llama`` objects of edit_replay's API path, one per setting."""
         self.probes: dict[tuple[Any, ...], Any] = {}
         """What contexts made to be measured showed, by what was measured (``group``)."""
 
@@ -75,8 +79,11 @@ class LlamaCppEngine:
     def tokenize(self, text: str) -> list[int]:
         return gguf_vocab.tokenize(self.vocab, text)
 
-    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
-        return gguf_vocab.render_chat(self.model, messages)
+    def chat_ids(
+        self, messages: Sequence[Mapping[str, str]], template: ChatTemplate | None = None
+    ) -> list[int]:
+        """What ``Llama.create_chat_completion`` prefills for the messages (``ChatCall``)."""
+        return self.chat_calls.ids(messages, template)
 
     @property
     def bos_id(self) -> int | None:
@@ -102,7 +109,7 @@ class LlamaCppEngine:
         return LlamaCppPrefixCache(self, policy, max_tokens)
 
     def open_api_cache(self, policy: Policy, max_tokens: int, state: str = "none") -> LlamaApiCache:
-        """A ``Llama`` of its own (the model loaded again through llama-cpp-python's API)."""
+        """The model loaded again through llama-cpp-python's ``Llama``, once per setting."""
         return LlamaApiCache(self, policy, max_tokens, state)
 
     def api_calls(self, state: str = "none") -> str:
@@ -150,6 +157,10 @@ class LlamaCppEngine:
             stream.close()
 
     def close(self) -> None:
+        self.chat_calls.close()
+        for counted in self.api_llamas.values():
+            counted.close()
+        self.api_llamas.clear()
         if self.model:
             lc.llama_model_free(self.model)
             self.model = None

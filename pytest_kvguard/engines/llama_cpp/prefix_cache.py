@@ -61,8 +61,9 @@ class LlamaCppPrefixCache(CacheSequence):
         # edit_replay.md has the figures), and the reuse gap would measure the kernel.
         super().__init__(engine, max_tokens + 1, swa_full=swa_full, flash_attn=False)
         self.policy = policy
-        # With swa_full the sliding layers keep everything: for reuse they behave as full ones.
-        self.n_swa = 0 if swa_full else engine.n_swa
+        # The window is checked with swa_full too: there the sliding layers must hold it (all
+        # of history), and a cache that does not is llama.cpp not honouring the flag.
+        self.n_swa = engine.n_swa
         self.checkpoints: list[Checkpoint] = []
 
     def extend(self, token_ids: Sequence[int], start: int) -> None:
@@ -103,10 +104,21 @@ class LlamaCppPrefixCache(CacheSequence):
         oldest = int(lc.llama_memory_seq_pos_min(self.memory, SEQ))
         return window_missing(keep, oldest, self.n_swa) == 0
 
+    def _held(self) -> str:
+        """The positions the sequence holds, as llama.cpp says: ``713..1736``."""
+        return (f"{lc.llama_memory_seq_pos_min(self.memory, SEQ)}.."
+                f"{lc.llama_memory_seq_pos_max(self.memory, SEQ)}")  # fmt: skip
+
     def keep_prefix(self, keep: int) -> tuple[int, int | None]:
         """Trim the cache to the longest usable prefix of `keep` tokens: (kept, checkpoint used)."""
         restored: int | None = None
         if keep and not self._window_held(keep):
+            if self.policy.kind == "swa_full":
+                raise EngineError(
+                    f"llama.cpp could not keep the first {keep} cached tokens (it holds "
+                    f"positions {self._held()}): swa_full was asked for, yet the sliding layers "
+                    "no longer hold the window before the split"
+                )
             usable = [c for c in self.checkpoints if c.n_tokens <= keep]
             if not usable:
                 keep = 0
@@ -124,18 +136,9 @@ class LlamaCppPrefixCache(CacheSequence):
         if not lc.llama_memory_seq_rm(self.memory, SEQ, keep, -1) or (
             keep and lc.llama_memory_seq_pos_max(self.memory, SEQ) != keep - 1
         ):
-            held = (
-                f"{lc.llama_memory_seq_pos_min(self.memory, SEQ)}.."
-                f"{lc.llama_memory_seq_pos_max(self.memory, SEQ)}"
-            )
-            hint = (
-                ": swa_full was asked for, yet the sliding layers lost positions before the split"
-                if self.policy.kind == "swa_full"
-                else ""
-            )
             raise EngineError(
                 f"llama.cpp could not keep the first {keep} cached tokens (it holds positions "
-                f"{held}){hint}"
+                f"{self._held()})"
             )
         if keep == 0:
             lc.llama_memory_seq_rm(self.memory, SEQ, -1, -1)

@@ -20,9 +20,10 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from pytest_kvguard.engines.mlx.caches import cache_nbytes, make_caches  # noqa: E402
-from pytest_kvguard.engines.protocols import Reuse  # noqa: E402
+from pytest_kvguard.engines.protocols import Prompt, Reuse  # noqa: E402
 from pytest_kvguard.errors import EngineError, KvguardError  # noqa: E402
 from pytest_kvguard.gate.policies import Policy  # noqa: E402
+from pytest_kvguard.scoring import nll_of  # noqa: E402
 
 if TYPE_CHECKING:
     from pytest_kvguard.engines.mlx.engine import MlxEngine
@@ -85,50 +86,88 @@ class MlxApiCache:
         self.held: list[Any] = []
         """The cache inserted after the first prompt (what memory_bytes measures)."""
 
-    def _generate(self, prompt: Sequence[int], cache: list[Any], reply: Sequence[int]) -> tuple[
-        list[int], list[float]
-    ]:  # fmt: skip
-        """``generate_step`` on the prompt with this cache: the reply forced (one token, not
-        forced, without one). The tokens generated and -log p of each reply token."""
+    def _generate(self, prompt: Sequence[int], cache: list[Any]) -> list[int]:
+        """``generate_step`` on the prompt with this cache, one token generated (greedy), as the
+        server answers a request: the tokens generated."""
+        from mlx_lm.generate import generate_step
+
+        steps = generate_step(
+            mx.array(list(prompt)), self.engine.model, max_tokens=1,
+            sampler=lambda logprobs: mx.argmax(logprobs, axis=-1), prompt_cache=cache,
+        )  # fmt: skip
+        return [int(token) for token, _ in steps]
+
+    def _score(self, prompt: Sequence[int], cache: list[Any], reply: Sequence[int]) -> list[float]:
+        """``generate_step`` prefills the prompt on this cache as for a request
+        (``max_tokens=0``, as ``mlx_lm.cache_prompt`` calls it) and scores the first reply
+        token from its last logits; the rest of the reply is then scored in one call of the
+        model on that cache. -log p of each reply token. (Token by token through
+        ``generate_step`` costs 0.1 to 0.16 s a token here; mlx on the CPU gives the same
+        log-probabilities either way, which tests/test_mlx.py measures.)"""
         from mlx_lm.generate import generate_step
 
         nll: list[float] = []
-        processors = [forcing_processor(reply, nll)] if reply else None
         steps = generate_step(
-            mx.array(list(prompt)), self.engine.model, max_tokens=max(len(reply), 1),
-            sampler=lambda logprobs: mx.argmax(logprobs, axis=-1),
-            logits_processors=processors, prompt_cache=cache,
+            mx.array(list(prompt)), self.engine.model, max_tokens=0, prompt_cache=cache,
+            logits_processors=[forcing_processor(reply[:1], nll)],
         )  # fmt: skip
-        generated = [int(token) for token, _ in steps]
-        if reply and generated != list(reply):
-            raise EngineError(f"mlx-lm generated {generated[:8]}... where the reply was forced")
-        return generated, nll
+        for _ in steps:
+            pass
+        if len(nll) != 1:
+            raise EngineError(
+                f"mlx-lm's generate_step(max_tokens=0) gave {len(nll)} logits for the prompt's "
+                "last token, not 1"
+            )
+        if len(reply) > 1:
+            logits = self.engine.model(mx.array([list(reply[:-1])]), cache=cache)[0]
+            nll += nll_of(np.array(logits.astype(mx.float32)), np.asarray(reply[1:])).tolist()
+        return nll
 
-    def extend(self, token_ids: Sequence[int], start: int) -> None:
-        if start != 0:
-            raise EngineError("mlx-lm's prompt cache is given whole prompts only")
-        cache, rest = self.lru.fetch_nearest_cache(MODEL_KEY, list(token_ids))
+    def _hold(self, lru: Any, token_ids: Sequence[int]) -> None:
+        """A request as the server serves it: the nearest cached prompt fetched (or a new
+        cache), the rest prefilled, one token generated, the whole inserted back."""
+        cache, rest = lru.fetch_nearest_cache(MODEL_KEY, list(token_ids))
         if cache is None:
             cache = make_caches(self.engine.model, self.policy)
-        generated, _ = self._generate(rest, cache, ())
-        self.lru.insert_cache(MODEL_KEY, list(token_ids) + generated, cache)
+        generated = self._generate(rest, cache)
+        lru.insert_cache(MODEL_KEY, list(token_ids) + generated, cache)
         self.held = cache
 
-    def replay(self, token_ids: Sequence[int], reply: Sequence[int]) -> Reuse:
-        cache, rest = self.lru.fetch_nearest_cache(MODEL_KEY, list(token_ids))
+    def _follow(self, lru: Any, token_ids: Sequence[int], reply: Sequence[int]) -> Reuse:
+        """The next request on that prompt cache, the reply forced: what it reused, its scores."""
+        cache, rest = lru.fetch_nearest_cache(MODEL_KEY, list(token_ids))
         if cache is None:
             cache = make_caches(self.engine.model, self.policy)
         reused = len(token_ids) - len(rest)
-        _, nll = self._generate(rest, cache, reply)
-        return Reuse(reused, len(rest), None, np.array(nll) if reply else None)
+        if reply:
+            return Reuse(reused, len(rest), None, np.array(self._score(rest, cache, reply)))
+        self._generate(rest, cache)
+        return Reuse(reused, len(rest), None, None)
 
-    def score_fresh(self, token_ids: Sequence[int], reply: Sequence[int]) -> np.ndarray:
-        _, nll = self._generate(token_ids, make_caches(self.engine.model, self.policy), reply)
-        return np.array(nll)
+    def request(self, prompt: Prompt) -> None:
+        self._hold(self.lru, prompt.ids)
+
+    def replay(self, prompt: Prompt, reply: Sequence[int]) -> Reuse:
+        return self._follow(self.lru, prompt.ids, reply)
+
+    def score_fresh(self, prompt: Prompt, reply: Sequence[int], cut: int = 0) -> np.ndarray:
+        """A new prompt cache; with ``cut``, the first ``cut`` ids served first."""
+        lru = lru_prompt_cache()[0]()
+        held = self.held
+        if cut:
+            self._hold(lru, prompt.ids[:cut])
+            self.held = held  # memory_bytes stays the first prompt's
+        reuse = self._follow(lru, prompt.ids, reply)
+        if reuse.reused > cut:
+            raise EngineError(f"mlx-lm's prompt cache reused {reuse.reused} of {cut} tokens held")
+        return np.array(reuse.reply_nll if reply else [])
 
     def memory_bytes(self) -> dict[str, float]:
         return {"state_bytes": float(sum(cache_nbytes(c) for c in self.held)),
                 "checkpoint_bytes": 0.0, "checkpoints": 0.0}  # fmt: skip
+
+    def extend(self, token_ids: Sequence[int], start: int) -> None:
+        raise EngineError("mlx-lm's prompt cache is sent requests: use request()")
 
     def keep_prefix(self, n_tokens: int) -> tuple[int, int | None]:
         raise EngineError("mlx-lm's prompt cache decides its own reuse: use replay()")

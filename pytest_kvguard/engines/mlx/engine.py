@@ -34,10 +34,27 @@ from pytest_kvguard.engines.options import EngineOptions  # noqa: E402
 from pytest_kvguard.engines.protocols import AttentionRows  # noqa: E402
 from pytest_kvguard.errors import EngineError, KvguardError  # noqa: E402
 from pytest_kvguard.gate.policies import Policy  # noqa: E402
+from pytest_kvguard.inputs.chats import ChatTemplate  # noqa: E402
 
 
 def load(model_path: Path, options: EngineOptions) -> MlxEngine:
     return MlxEngine(model_path, options)
+
+
+def _apply_chat_template(
+    tokenizer: Any, messages: Sequence[Mapping[str, str]], template: ChatTemplate | None
+) -> list[int]:
+    """The folder's tokenizer applying its template (or ``template``), generation prompt added."""
+    extra = {} if template is None else {"chat_template": template.source}
+    try:
+        ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, **extra)
+    except (ValueError, TypeError) as exc:  # no template, a template that raises
+        raise EngineError(
+            f"mlx-lm's tokenizer could not apply a chat template: {exc}",
+            fix="give the check params.chat_template (a Jinja file)",
+        ) from None
+    # transformers 5 returns a BatchEncoding where 4 returned the ids.
+    return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
 
 
 def _gguf_tokenizer(path: Path) -> Any:
@@ -64,7 +81,7 @@ class MlxEngine:
             self.model, self.facts = load_gguf_model(model_path)
             self._tokenizer = _gguf_tokenizer(model_path)
             self._encode = self._tokenizer.tokenize
-            self._render = self._tokenizer.render_chat
+            self._chat_ids = self._tokenizer.chat_ids
             self._piece = self._tokenizer.token_piece
             self.bos_id = self._tokenizer.bos_id
         else:
@@ -76,7 +93,9 @@ class MlxEngine:
             self._encode = tokenizer.encode
             self._piece = lambda token_id: tokenizer.decode([token_id])
             self.bos_id = tokenizer.bos_token_id
-            self._render = lambda messages: tokenizer.apply_chat_template(messages, tokenize=False)
+            self._chat_ids = lambda messages, template: _apply_chat_template(
+                tokenizer, messages, template
+            )
         self._group_keys: dict[Policy, tuple[str, int] | None] = {}
         self.kv_element_bytes = float(_float_dtype(self.model).size)
         self.weight_bytes = float(_weight_bytes(self.model))
@@ -96,8 +115,13 @@ class MlxEngine:
     def tokenize(self, text: str) -> list[int]:
         return list(self._encode(text))
 
-    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
-        return str(self._render(messages))
+    def chat_ids(
+        self, messages: Sequence[Mapping[str, str]], template: ChatTemplate | None = None
+    ) -> list[int]:
+        """An mlx-lm model folder: its tokenizer's ``apply_chat_template`` with the generation
+        prompt, as ``mlx_lm.server`` calls it; a GGUF (no mlx-lm tokenizer): the ids
+        llama-cpp-python's chat call prefills, so both engines are fed the same."""
+        return [int(t) for t in self._chat_ids(messages, template)]
 
     def token_piece(self, token_id: int) -> str:
         return str(self._piece(token_id))

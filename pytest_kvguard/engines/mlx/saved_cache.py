@@ -6,8 +6,9 @@ Run with the interpreter of the engine environment under test, pytest_kvguard on
     PYTHON -m pytest_kvguard.engines.mlx.saved_cache write --model M --kind K --out FILE
     PYTHON -m pytest_kvguard.engines.mlx.saved_cache read --model M --kind K --file FILE
 
-``write`` prefills the bundled chat's first prompt (edit_replay's ``history``, its first
-``--messages`` messages) into a cache of kind K as ``mlx_lm.cache_prompt`` does
+``write`` prefills the bundled chat's first request (edit_replay's ``history``, its first
+``--messages`` messages, as the engine's chat call makes its ids), up to where the appended
+turn's request parts from it, into a cache of kind K as ``mlx_lm.cache_prompt`` does
 (``generate_step(max_tokens=0)``), and saves it with this release's ``save_prompt_cache``, the
 token ids in its metadata. ``read`` loads the file with this release's ``load_prompt_cache``.
 Where that works it feeds the appended turn's new tokens on the loaded cache with
@@ -20,15 +21,15 @@ difference left is the file. Each prints one JSON object on stdout; progress goe
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.metadata
 import json
-import os
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from pytest_kvguard.engines.entry_io import one_line, stdout_for_json
 
 KINDS = {
     "plain": "KVCache on every layer (policy full)",
@@ -39,8 +40,9 @@ KINDS = {
 DEFAULT_CAP = 256
 DEFAULT_SINKS = 4
 DEFAULT_MESSAGES = 5
-"""The bundled chat's first 5 messages: 811 tokens on SmolLM2, 760 on Gemma 3, past both a
-256-entry rotating cache and Gemma 3's 512-token window, so every rotating layer has wrapped."""
+"""The bundled chat's first 5 messages: 756 cached tokens on SmolLM2, 716 on Gemma 3 (its
+gemma3-it template), past both a 256-entry rotating cache and Gemma 3's 512-token window, so
+every rotating layer has wrapped."""
 DEFAULT_REPLY_TOKENS = 64
 PREFILL_STEP = 2048
 """``generate_step``'s prefill_step_size, pinned: a release's default does not move the chunks."""
@@ -48,12 +50,6 @@ TOKEN_IDS_KEY = "kvguard_token_ids"
 """The metadata entry holding the cached token ids (JSON), as ``cache_prompt`` saves its own."""
 WRITER_KEY = "kvguard_mlx_lm"
 """The metadata entry naming the mlx-lm release that wrote the file."""
-
-
-def one_line(exc: BaseException, limit: int = 400) -> str:
-    """An exception as the one line a table can quote: ``ValueError: too many values``."""
-    text = " ".join(f"{type(exc).__name__}: {exc}".split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def versions() -> dict[str, str]:
@@ -77,7 +73,9 @@ def say(message: str) -> None:
 class Chat:
     """The model and the token ids a check needs: the cached prompt, the follow-up, the reply."""
 
-    def __init__(self, model: str, messages: int, reply_tokens: int) -> None:
+    def __init__(
+        self, model: str, messages: int, reply_tokens: int, chat_template: str | None = None
+    ) -> None:
         # The adapter preloads OpenBLAS before mlx; import it first.
         from pytest_kvguard.engines.mlx.engine import MlxEngine
         from pytest_kvguard.engines.options import EngineOptions
@@ -85,21 +83,24 @@ class Chat:
             DEFAULT_CHAT,
             followup,
             history,
+            load_chat_template,
             load_conversation,
             reply_ids,
         )
         from pytest_kvguard.inputs.models import parse_model
+        from pytest_kvguard.scenarios.replaying import common_prefix
 
         path = parse_model(model, Path.cwd()).resolve()
         self.model_name = path.name
         self.engine = MlxEngine(path, EngineOptions.from_env())
         conversation = load_conversation(DEFAULT_CHAT, Path.cwd()).first(messages)
-        render, tokenize = self.engine.render_chat, self.engine.tokenize
-        self.cached = tokenize(render(history(conversation)))
-        self.followup = tokenize(render(followup(conversation, "append", None)))
+        template = None if chat_template is None else load_chat_template(chat_template, Path.cwd())
+        first = self.engine.chat_ids(history(conversation), template)
+        self.followup = self.engine.chat_ids(followup(conversation, "append", None), template)
+        # What a cache of the first request holds that the next one can use: the two requests'
+        # ids up to where the first one's generation prompt and the new turn part.
+        self.cached = self.followup[: common_prefix(first, self.followup)]
         self.reply = reply_ids(self.engine.tokenize, reply_tokens)
-        if self.followup[: len(self.cached)] != self.cached:
-            raise RuntimeError("the follow-up does not start with the cached prompt's tokens")
 
     def new_caches(self, kind: str, cap: int, sinks: int) -> list[Any]:
         from pytest_kvguard.engines.mlx.caches import make_caches
@@ -176,7 +177,7 @@ def cache_summary(caches: Sequence[Any]) -> dict[str, int]:
 
 
 def write(args: argparse.Namespace) -> dict[str, Any]:
-    chat = Chat(args.model, args.messages, 0)  # first: the adapter picks mlx's BLAS
+    chat = Chat(args.model, args.messages, 0, args.chat_template)  # first: picks mlx's BLAS
     from mlx_lm.models.cache import save_prompt_cache
 
     out = Path(args.out)
@@ -195,7 +196,7 @@ def write(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def read(args: argparse.Namespace) -> dict[str, Any]:
-    chat = Chat(args.model, args.messages, args.reply_tokens)  # first: it picks mlx's BLAS
+    chat = Chat(args.model, args.messages, args.reply_tokens, args.chat_template)  # BLAS first
     from mlx_lm.models.cache import load_prompt_cache
 
     from pytest_kvguard.scoring import reuse_gap
@@ -245,24 +246,6 @@ def read_metadata(metadata: Any, cached: Sequence[int]) -> dict[str, Any]:
     return found
 
 
-@contextlib.contextmanager
-def stdout_for_json() -> Iterator[Callable[[str], None]]:
-    """Everything the engine prints goes to stderr; the JSON alone goes to stdout."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-
-    def emit(text: str) -> None:
-        os.write(saved, text.encode())
-
-    try:
-        yield emit
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pytest_kvguard.engines.mlx.saved_cache")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -273,6 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sub.add_argument("--cap", type=int, default=DEFAULT_CAP)
         sub.add_argument("--sinks", type=int, default=DEFAULT_SINKS)
         sub.add_argument("--messages", type=int, default=DEFAULT_MESSAGES)
+        sub.add_argument("--chat-template", default=None, help="a bundled name or a Jinja file")
         if name == "write":
             sub.add_argument("--out", required=True)
         else:

@@ -32,10 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from pytest_kvguard.engines.buffer_sizes import buffer_mib
 from pytest_kvguard.engines.conversation import Turn
 from pytest_kvguard.engines.options import EngineOptions
-from pytest_kvguard.engines.protocols import Reuse
 from pytest_kvguard.engines.served.process import (
     DEFAULT_REQUEST_TIMEOUT,
     REQUEST_TIMEOUT_ENV,
@@ -46,16 +44,14 @@ from pytest_kvguard.engines.served.process import (
     find_binary,
     seconds_from_env,
 )
+from pytest_kvguard.engines.served.server_cache import SLOT, ServerPrefixCache
 from pytest_kvguard.errors import EngineError, KvguardError
 from pytest_kvguard.gate.policies import Policy
-from pytest_kvguard.inputs.models import is_url
-
-_CHECKPOINT_SIZE = re.compile(r"created context checkpoint \d+ of \d+ .*?size = ([\d.]+) MiB")
-"""A checkpoint llama-server logs (at --log-verbosity 4), with its size."""
+from pytest_kvguard.inputs.chats import ChatTemplate, NoChatTemplate
+from pytest_kvguard.inputs.models import gguf_chat_template, is_url
 
 TOKENIZE_CTX = 512
 """Context of the server started only to tokenize and render chats."""
-SLOT = 0
 
 
 def load(target: Path | str, options: EngineOptions) -> LlamaServerEngine:
@@ -84,6 +80,9 @@ class LlamaServerEngine:
         self._props: dict[str, Any] | None = None
         self._adds_bos: bool | None = None
         self.last_shifts = []
+        self.chat_template: Path | None = None
+        """The template file of the last ``chat_ids``: the server a prefix cache opens next
+        applies it too, so the chat's ids and its replay come from one server."""
 
     # -- servers ---------------------------------------------------------------------------
 
@@ -162,21 +161,42 @@ class LlamaServerEngine:
     # -- text ------------------------------------------------------------------------------
 
     def tokenize(self, text: str) -> list[int]:
-        # As the in-process engines do: BOS where the model wants one, special-token text
-        # (a chat template's markers) not parsed, so every engine is fed the same ids.
-        body = {"content": text, "add_special": True, "parse_special": False}
-        answer = self.serve(None).post("/tokenize", body)
-        tokens = field(answer, "tokens", where="/tokenize")
+        # As the in-process engines tokenize plain text: BOS where the model wants one,
+        # special-token text not parsed.
+        return self._tokenize(self.serve(None), text, parse_special=False)
+
+    def _tokenize(self, http: Http, text: str, parse_special: bool) -> list[int]:
+        body = {"content": text, "add_special": True, "parse_special": parse_special}
+        tokens = field(http.post("/tokenize", body), "tokens", where="/tokenize")
         if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
             raise EngineError(f"llama-server's /tokenize gave no list of ids: {str(tokens)[:120]}")
         return tokens
 
-    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
-        # As the in-process engine renders a history: no generation prompt, the last reply
-        # closed (kvguard starts its servers with --no-prefill-assistant).
-        body = {"messages": list(messages), "add_generation_prompt": False}
-        answer = self.serve(None).post("/apply-template", body)
-        return str(field(answer, "prompt", where="/apply-template"))
+    def chat_ids(
+        self, messages: Sequence[Mapping[str, str]], template: ChatTemplate | None = None
+    ) -> list[int]:
+        """The server's own chat path: ``/apply-template`` (its template, the generation
+        prompt added) and ``/tokenize`` with special tokens parsed and BOS as the vocabulary
+        says, as ``/v1/chat/completions`` tokenizes the prompt it renders."""
+        if template is not None and self.url:
+            raise KvguardError(
+                f"the llama-server at {self.url} applies the chat template it was started with; "
+                "kvguard cannot hand it another",
+                fix="start it with --jinja --chat-template-file FILE and drop params.chat_template",
+                key="params.chat_template",
+            )
+        model = self.model_path
+        if template is None and model is not None and gguf_chat_template(model) is None:
+            raise NoChatTemplate(model.name)  # the server would fall back to chatml
+        self.chat_template = None if template is None else template.path
+        running = self.server.settings if self.server is not None else None
+        if self.url or (running is not None and running.chat_template == self.chat_template):
+            http = self.serve(None)
+        else:
+            http = self.serve(ServerSettings(TOKENIZE_CTX, chat_template=self.chat_template))
+        body = {"messages": list(messages), "add_generation_prompt": True}
+        prompt = field(http.post("/apply-template", body), "prompt", where="/apply-template")
+        return self._tokenize(http, str(prompt), parse_special=True)
 
     def adds_bos(self) -> bool:
         """Whether the model's tokenizer puts a BOS first (llama-server then keeps one token
@@ -199,6 +219,7 @@ class LlamaServerEngine:
             checkpoint_min_step=policy.checkpoint_step if policy.checkpoints else 0,
             cache_type_k=policy.cache_type_k,
             cache_type_v=policy.cache_type_v,
+            chat_template=self.chat_template,
         )
         return ServerPrefixCache(self, settings)
 
@@ -327,118 +348,3 @@ def _reply_positions(turns: Sequence[Turn]) -> set[int]:
         positions.update(range(done, done + turn.reply))
         done += turn.reply
     return positions
-
-
-class ServerPrefixCache:
-    """One slot of a server holding a prompt; the follow-up's reuse is the server's own count.
-
-    Implements ``replay`` (the edit_replay scenario calls it instead of keep_prefix and extend):
-    llama-server decides what it reuses when the follow-up arrives, and says so in timings.
-    """
-
-    def __init__(self, engine: LlamaServerEngine, settings: ServerSettings) -> None:
-        self.engine = engine
-        self.settings = settings
-        self.http = engine.serve(settings)
-        self._erase()
-        self.first_answer: dict[str, Any] | None = None
-        self.log_start = len(engine.server.log_text()) if engine.server else 0
-        """Where this cache's part of the server log starts (its checkpoints, restores)."""
-
-    def _erase(self) -> None:
-        """Start from an empty slot: the previous check's prompt must not be reused. Not on an
-        existing server: it may serve others, and erasing needs --slot-save-path there; its
-        slot then holds whatever it last served, which the first prompt replaces."""
-        if self.engine.url is None:
-            self.http.post(f"/slots/{SLOT}?action=erase", {})
-
-    def _complete(
-        self, token_ids: Sequence[int], reply: Sequence[int] = (), cache_prompt: bool = True
-    ) -> tuple[dict[str, Any], np.ndarray]:
-        """One /completion of the prompt on the slot: with a reply, each of its tokens forced
-        by a grammar of token ids and scored from the probability the server reports for it
-        (one free token, unscored, without). The answer and -log p of each reply token."""
-        body: dict[str, Any] = {
-            "prompt": list(token_ids), "n_predict": max(len(reply), 1),
-            "cache_prompt": cache_prompt, "temperature": 0.0, "id_slot": SLOT,
-        }  # fmt: skip
-        if reply:
-            body.update(grammar="root ::= " + " ".join(f"<[{t}]>" for t in reply), n_probs=1,
-                        post_sampling_probs=False)  # fmt: skip
-        answer = self.http.post("/completion", body)
-        if not isinstance(answer, dict):
-            raise EngineError(
-                f"llama-server's /completion answer is not an object: {answer!r:.120}"
-            )
-        if not reply:
-            return answer, np.zeros(0)
-        probs = field(answer, "completion_probabilities", where="/completion")
-        if not isinstance(probs, list) or len(probs) != len(reply):
-            made = len(probs) if isinstance(probs, list) else "no"
-            raise EngineError(f"llama-server generated {made} of {len(reply)} forced tokens")
-        nll = []
-        for entry, wanted in zip(probs, reply, strict=True):
-            if not isinstance(entry, dict) or entry.get("id") != wanted:
-                raise EngineError(f"llama-server sampled {entry!r:.60} where {wanted} was forced")
-            logprob = entry.get("logprob")
-            nll.append(math.inf if logprob is None else -float(logprob))
-        return answer, np.array(nll)
-
-    def extend(self, token_ids: Sequence[int], start: int) -> None:
-        if start != 0:
-            raise EngineError("a llama-server prefix cache is filled by whole prompts only")
-        self.first_answer = self._complete(token_ids)[0]
-
-    def replay(self, token_ids: Sequence[int], reply: Sequence[int]) -> Reuse:
-        """Send the follow-up (and the forced reply): reused, re-prefilled and the checkpoint
-        restored from the server's ``timings.cache_n``, ``timings.prompt_n`` and its log."""
-        answer, nll = self._complete(token_ids, reply)
-        timings = [field(answer, "timings", key, where="/completion")
-                   for key in ("cache_n", "prompt_n")]  # fmt: skip
-        if not all(isinstance(t, int) for t in timings):
-            raise EngineError(f"llama-server's timings are not token counts: {timings!r:.120}")
-        reused, reprefilled = timings
-        if reused + reprefilled != len(token_ids):
-            raise EngineError(
-                f"llama-server counted {reused} reused + {reprefilled} processed tokens for a "
-                f"{len(token_ids)}-token prompt"
-            )
-        restored = None
-        if self.engine.server is not None:
-            log = self.engine.server.log_text()[self.log_start :]
-            found = re.findall(r"restored context checkpoint \(.*?n_tokens = (\d+)", log)
-            restored = int(found[-1]) if found else None
-        return Reuse(reused, reprefilled, restored, nll if reply else None)
-
-    def score_fresh(self, token_ids: Sequence[int], reply: Sequence[int]) -> np.ndarray:
-        """The same request with ``cache_prompt: false``: the server prefills it all again."""
-        answer, nll = self._complete(token_ids, reply, cache_prompt=False)
-        cached = answer.get("timings", {}).get("cache_n") if isinstance(answer, dict) else None
-        if cached:
-            raise EngineError(f"llama-server reused {cached} tokens with cache_prompt: false")
-        return nll
-
-    def memory_bytes(self) -> dict[str, float]:
-        """The KV buffer the server's context holds and the checkpoints it made since this
-        cache opened, both as the server logged them."""
-        server = self.engine.server
-        if server is None:
-            return {"state_bytes": math.nan, "checkpoint_bytes": math.nan, "checkpoints": math.nan}
-        log = server.log_text()
-        checkpoints = [float(m) * 2**20 for m in _CHECKPOINT_SIZE.findall(log[self.log_start :])]
-        most = self.settings.ctx_checkpoints
-        kept = checkpoints[-most:] if most else []
-        return {
-            "state_bytes": buffer_mib([log])["KV"],
-            "checkpoint_bytes": float(sum(kept)),
-            "checkpoints": float(len(kept)),
-        }
-
-    def keep_prefix(self, n_tokens: int) -> tuple[int, int | None]:
-        raise EngineError("llama-server decides its own reuse: use replay()")
-
-    def score(self, token_ids: Sequence[int], start: int) -> np.ndarray:
-        raise EngineError("llama-server decides its own reuse: use replay()")
-
-    def close(self) -> None:
-        pass  # the server stays up for the next check with the same settings

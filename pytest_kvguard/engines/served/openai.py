@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from pytest_kvguard.engines.options import EngineOptions
-from pytest_kvguard.engines.protocols import Reuse
+from pytest_kvguard.engines.protocols import Prompt, Reuse
 from pytest_kvguard.engines.served.process import (
     DEFAULT_REQUEST_TIMEOUT,
     REQUEST_TIMEOUT_ENV,
@@ -37,6 +37,7 @@ from pytest_kvguard.engines.served.process import (
 )
 from pytest_kvguard.errors import EngineError, KvguardError
 from pytest_kvguard.gate.policies import Policy
+from pytest_kvguard.inputs.chats import ChatTemplate
 
 CACHE_REPORT_FLAGS = {
     "vllm": "start vLLM with --enable-prompt-tokens-details (and prefix caching on, its default)",
@@ -121,24 +122,36 @@ class OpenAIServerEngine:
         return token_list(answer_field(self.http.post("/tokenize", body), "tokens",
                                        where="/tokenize"), "/tokenize")  # fmt: skip
 
-    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
-        if self.dialect != "llamacpp":
-            raise self._no_rendering()
-        body = {"messages": list(messages), "add_generation_prompt": False}
-        return str(answer_field(self.http.post("/apply-template", body), "prompt",
-                                where="/apply-template"))  # fmt: skip
-
-    def tokenize_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
-        """The chat's token ids as the server's own template and tokenizer make them, without
-        the generation prompt (a history, as the other engines render it)."""
+    def chat_ids(
+        self, messages: Sequence[Mapping[str, str]], template: ChatTemplate | None = None
+    ) -> list[int]:
+        """The chat's ids as the server's own chat path makes them, the generation prompt
+        added: llama-server's ``/apply-template`` then ``/tokenize`` with special tokens
+        parsed; vLLM's ``/tokenize`` of the messages (one call, its template and tokenizer)."""
         if self.dialect == "llamacpp":
-            return self.tokenize(self.render_chat(messages))
-        if self.dialect != "vllm":
+            if template is not None:
+                raise self._own_template()
+            body: dict[str, Any] = {"messages": list(messages), "add_generation_prompt": True}
+            prompt = answer_field(self.http.post("/apply-template", body), "prompt",
+                                  where="/apply-template")  # fmt: skip
+            body = {"content": str(prompt), "add_special": True, "parse_special": True}
+        elif self.dialect == "vllm":
+            body = {"model": self.served()[0], "messages": list(messages),
+                    "add_generation_prompt": True, "add_special_tokens": False}  # fmt: skip
+            if template is not None:
+                body["chat_template"] = template.source
+        else:
             raise self._no_rendering()
-        body = {"model": self.served()[0], "messages": list(messages),
-                "add_generation_prompt": False, "add_special_tokens": False}  # fmt: skip
         return token_list(answer_field(self.http.post("/tokenize", body), "tokens",
                                        where="/tokenize"), "/tokenize")  # fmt: skip
+
+    def _own_template(self) -> KvguardError:
+        return KvguardError(
+            f"the llama-server at {self.url} applies the chat template it was started with; "
+            "kvguard cannot hand it another",
+            fix="start it with --jinja --chat-template-file FILE and drop params.chat_template",
+            key="params.chat_template",
+        )
 
     def _no_rendering(self) -> EngineError:
         kind = self.dialect or "this server"
@@ -187,14 +200,13 @@ class OpenAIPrefixCache:
             raise EngineError(f"the server's cached_tokens is not a count: {cached!r:.60}")
         return cached
 
-    def extend(self, token_ids: Sequence[int], start: int) -> None:
-        if start != 0:
-            raise EngineError("a server's prefix cache is filled by whole prompts only")
-        self._complete(token_ids)  # a cold prompt may report nothing cached, or nothing at all
+    def request(self, prompt: Prompt) -> None:
+        self._complete(prompt.ids)  # a cold prompt may report nothing cached, or nothing at all
 
-    def replay(self, token_ids: Sequence[int], reply: Sequence[int]) -> Reuse:
+    def replay(self, prompt: Prompt, reply: Sequence[int]) -> Reuse:
         """Reused and re-prefilled for the follow-up; no checkpoint figure, and no scores: the
         reply is not sent (forcing tokens is not part of the OpenAI API)."""
+        token_ids = prompt.ids
         cached = self._complete(token_ids)
         if cached is None:
             # Some vLLM releases leave the details out when nothing was cached: the same
@@ -208,8 +220,11 @@ class OpenAIPrefixCache:
             cached = 0
         return Reuse(cached, len(token_ids) - cached, None, None)
 
-    def score_fresh(self, token_ids: Sequence[int], reply: Sequence[int]) -> None:
+    def score_fresh(self, prompt: Prompt, reply: Sequence[int], cut: int = 0) -> None:
         return None
+
+    def extend(self, token_ids: Sequence[int], start: int) -> None:
+        raise EngineError("a server is sent requests: use request()")
 
     def memory_bytes(self) -> dict[str, float]:
         # Not in the API: budgets on memory are refused at parse time for a URL.

@@ -31,7 +31,6 @@ from typing import IO, Any
 
 from pytest_kvguard.engines.options import EngineOptions
 from pytest_kvguard.errors import EngineError, KvguardError
-from pytest_kvguard.inputs.models import builtin_chat_template
 
 BINARY_ENV = "KVGUARD_LLAMA_SERVER"
 """Path to the llama-server binary (default: next to the running Python, then PATH)."""
@@ -101,6 +100,9 @@ class ServerSettings:
     """The K and V cache types (``--cache-type-k`` / ``--cache-type-v``). A quantized V needs
     flash attention: llama-server's default (auto) turns it on where the backend has it, and
     the server refuses to start otherwise, which the check reports as its error."""
+    chat_template: Path | None = None
+    """A Jinja chat template file the server applies (``--chat-template-file``), as an app's
+    deployment passes one; None: the model's own."""
 
     def args(self) -> list[str]:
         args = ["--ctx-size", str(self.n_ctx), "--parallel", "1"]
@@ -112,6 +114,8 @@ class ServerSettings:
             args.append("--swa-full")
         if (self.cache_type_k, self.cache_type_v) != ("f16", "f16"):
             args += ["--cache-type-k", self.cache_type_k, "--cache-type-v", self.cache_type_v]
+        if self.chat_template is not None:
+            args += ["--jinja", "--chat-template-file", str(self.chat_template)]
         return args
 
 
@@ -211,7 +215,6 @@ class ServerProcess:
         # Everything that can refuse is read before the process exists, so nothing leaks.
         timeout = seconds_from_env(REQUEST_TIMEOUT_ENV, DEFAULT_REQUEST_TIMEOUT)
         start_timeout = seconds_from_env(START_TIMEOUT_ENV, DEFAULT_START_TIMEOUT)
-        builtin = builtin_chat_template(model_path)  # a corrupt header: one KvguardError line
         # Kept open while the server runs: its log is read for sizes and quoted in errors.
         self.log: IO[bytes] = tempfile.NamedTemporaryFile(  # noqa: SIM115
             prefix="kvguard-llama-server-", suffix=".log"
@@ -228,11 +231,6 @@ class ServerProcess:
                    "--no-prefill-assistant", "--slot-save-path", self.slot_dir.name,
                    "--log-verbosity", "4",
                    *settings.args()]  # fmt: skip
-        if builtin:
-            # As the in-process engine renders chats for a GGUF without a template: llama.cpp's
-            # built-in one, which only its non-Jinja path knows (the server's own fallback
-            # would be chatml).
-            command += ["--no-jinja", "--chat-template", builtin]
         self.command = command
         try:
             self.process = _spawn(command, self.log)

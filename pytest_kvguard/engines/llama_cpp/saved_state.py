@@ -1,0 +1,178 @@
+"""Saved llama-cpp-python states across releases: one release pickles a ``Llama.save_state()``,
+another unpickles and loads it.
+
+An app that persists a conversation stores what ``Llama.save_state`` returns, a ``LlamaState``,
+pickled (``LlamaDiskCache`` does exactly that); after an upgrade the new release unpickles it
+and calls ``load_state``. Run with the interpreter of the engine environment under test,
+pytest_kvguard on its ``PYTHONPATH`` (``kvguard-saved-cache --engine llama_cpp`` does this)::
+
+    PYTHON -m pytest_kvguard.engines.llama_cpp.saved_state write --model M --kind K --out FILE
+    PYTHON -m pytest_kvguard.engines.llama_cpp.saved_state read --model M --kind K --file FILE
+
+``write`` sends the bundled chat's first request (edit_replay's ``history``) through this
+release's ``create_chat_completion`` (one token generated) and pickles ``save_state()``, the
+prompt's ids and the writer's release beside it in a JSON file. ``read`` unpickles it with this
+release, ``load_state``s it into a new ``Llama`` of the same settings, and sends the chat's
+appended turn through ``create_chat_completion`` with edit_replay's ``REPLY`` forced; then the
+same request from an empty ``Llama`` (the reference) and from one that was sent only the
+tokens the restored state let it keep (the floor), as edit_replay judges a reuse. Each prints
+one JSON object on stdout; progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pickle
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from pytest_kvguard.engines.entry_io import one_line, stdout_for_json
+
+KINDS = {
+    "full": "Llama() as a model without sliding layers gets it (SmolLM2)",
+    "swa": "Llama(swa_full=False): the sliding layers' small cache (Gemma 3)",
+    "swa_full": "Llama(swa_full=True): the sliding layers keep every position (Gemma 3)",
+}
+"""The ``Llama`` settings a state is saved and loaded with, by the name the command takes."""
+DEFAULT_MESSAGES = 5
+DEFAULT_REPLY_TOKENS = 128
+
+
+def version() -> str:
+    import importlib.metadata
+
+    return importlib.metadata.version("llama-cpp-python")
+
+
+def say(message: str) -> None:
+    print(f"saved_state: llama-cpp-python {version()}: {message}", file=sys.stderr, flush=True)
+
+
+class Chat:
+    """The model in a ``CountedLlama`` of the kind's settings, and the chat's two requests."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        from pytest_kvguard.engines.llama_cpp.api_cache import CountedLlama
+        from pytest_kvguard.engines.llama_cpp.engine import LlamaCppEngine
+        from pytest_kvguard.engines.options import EngineOptions
+        from pytest_kvguard.engines.protocols import Prompt
+        from pytest_kvguard.inputs.chats import (
+            DEFAULT_CHAT,
+            REPLY,
+            followup,
+            history,
+            load_chat_template,
+            load_conversation,
+            reply_ids,
+        )
+        from pytest_kvguard.inputs.models import parse_model
+
+        path = parse_model(args.model, Path.cwd()).resolve()
+        self.model_name = path.name
+        self.engine = LlamaCppEngine(path, EngineOptions.from_env())
+        template = (None if args.chat_template is None
+                    else load_chat_template(args.chat_template, Path.cwd()))  # fmt: skip
+        conversation = load_conversation(DEFAULT_CHAT, Path.cwd()).first(args.messages)
+        self.first, self.followup = (
+            Prompt(tuple(self.engine.chat_ids(chat, template)), tuple(chat), template)
+            for chat in (history(conversation), followup(conversation, "append", None))
+        )  # fmt: skip
+        self.reply = reply_ids(self.engine.tokenize, getattr(args, "reply_tokens", 0))
+        swa_full = {"full": None, "swa": False, "swa_full": True}[args.kind]
+        # The same context for the writer and every reader (a state carries arrays of its
+        # size): room for the follow-up and the whole fixed reply, in 1,024-token steps.
+        longest = len(self.followup.ids) + len(self.engine.tokenize(REPLY)) + 1
+        self.llama = CountedLlama(self.engine, swa_full, -(-longest // 1024) * 1024)
+
+
+def write(args: argparse.Namespace) -> dict[str, Any]:
+    chat = Chat(args)
+    say(f"sending the {len(chat.first.ids)}-token first request ({args.kind})")
+    started = time.perf_counter()
+    chat.llama.send(chat.first, ())
+    state = chat.llama.llm.save_state()
+    data = pickle.dumps(state)
+    Path(args.out).write_bytes(data)
+    meta = {"ids": list(chat.first.ids), "writer": version()}
+    Path(args.out + ".json").write_text(json.dumps(meta), encoding="utf-8")
+    say(f"pickled {len(data):,} bytes to {args.out}")
+    return {
+        "llama_cpp_python": version(), "kind": args.kind, "model": chat.model_name,
+        "tokens": len(chat.first.ids), "bytes": len(data),
+        "state_bytes": int(state.llama_state_size),
+        "seconds": round(time.perf_counter() - started, 2),
+    }  # fmt: skip
+
+
+def read(args: argparse.Namespace) -> dict[str, Any]:
+    import numpy as np
+
+    from pytest_kvguard.scoring import reuse_gap
+
+    chat = Chat(args)
+    path = Path(args.file)
+    result: dict[str, Any] = {
+        "llama_cpp_python": version(), "kind": args.kind, "model": chat.model_name,
+        "file_bytes": path.stat().st_size if path.is_file() else None,
+    }  # fmt: skip
+    meta = json.loads(Path(args.file + ".json").read_text(encoding="utf-8"))
+    result["writer_in_file"] = meta.get("writer")
+    if meta.get("ids") != list(chat.first.ids):
+        result["metadata_error"] = "this release's chat call makes other ids than the writer's"
+    say(f"unpickling and loading {path}")
+    llm = chat.llama.llm
+    try:
+        state = pickle.loads(path.read_bytes())  # noqa: S301 - a file this command wrote
+        llm.reset()  # type: ignore[no-untyped-call]
+        llm.load_state(state)
+    except Exception as exc:  # whatever the engine raises is the finding: quote it
+        return {**result, "loads": False, "error": one_line(exc)}
+    result["loads"] = True
+    say(f"replaying the appended turn and {len(chat.reply)} reply tokens on the loaded state")
+    try:
+        reused = np.array(chat.llama.send(chat.followup, chat.reply))
+        kept = chat.llama.kept(chat.followup)[0]
+    except Exception as exc:  # loads, but cannot be used: quote the engine
+        return {**result, "replay_error": one_line(exc)}
+    result["kept"] = kept
+    say("the same from an empty Llama, and after the kept tokens alone (the floor)")
+    chat.llama.empty()
+    fresh = np.array(chat.llama.send(chat.followup, chat.reply))
+    cuts = {}
+    if 0 < kept < len(chat.followup.ids):
+        chat.llama.empty()
+        chat.llama.send(chat.followup.cut(kept), ())
+        cuts[kept] = np.array(chat.llama.send(chat.followup, chat.reply))
+    return {**result, **reuse_gap(reused, fresh, cuts)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pytest_kvguard.engines.llama_cpp.saved_state")
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name in ("write", "read"):
+        sub = commands.add_parser(name)
+        sub.add_argument("--model", required=True, help="a bundled model name or a GGUF path")
+        sub.add_argument("--kind", required=True, choices=sorted(KINDS))
+        sub.add_argument("--messages", type=int, default=DEFAULT_MESSAGES)
+        sub.add_argument("--chat-template", default=None, help="a bundled name or a Jinja file")
+        if name == "write":
+            sub.add_argument("--out", required=True)
+        else:
+            sub.add_argument("--file", required=True)
+            sub.add_argument("--reply-tokens", type=int, default=DEFAULT_REPLY_TOKENS)
+    args = parser.parse_args(argv)
+    with stdout_for_json() as emit:
+        try:
+            result = write(args) if args.command == "write" else read(args)
+            code = 0
+        except Exception as exc:  # one line for the caller, never a traceback
+            result, code = {"llama_cpp_python": version(), "error": one_line(exc)}, 1
+        emit(json.dumps(result) + "\n")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
