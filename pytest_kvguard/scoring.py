@@ -29,6 +29,16 @@ def perplexity(nll: np.ndarray) -> float:
     return float(math.exp(float(nll.mean()))) if len(nll) else math.nan
 
 
+def floor_cuts(reused: int, prompt_tokens: int) -> list[int]:
+    """Where the floor's fresh prefill is cut: where this reuse cut the follow-up, between the
+    tokens it kept and those it prefilled (the split, a restored checkpoint, the engine's own
+    rounding), for a correct reuse cut there computes its cache in those two parts; the
+    reference it is set against is the fresh prefill in the engine's own batches (cut 0). A
+    reuse that kept nothing has no cut: its replay is a fresh prefill itself, and its floor
+    is 0."""
+    return [reused] if 0 < reused < prompt_tokens else []
+
+
 def reuse_gap(
     reused: np.ndarray | None,
     fresh: np.ndarray | None,

@@ -13,13 +13,13 @@ from pytest_kvguard.gate.budgets_file import load_budgets_file
 from pytest_kvguard.inputs.chats import (
     APPENDED_TURN,
     EDIT_SUFFIX,
+    common_prefix,
     followup,
     history,
     load_conversation,
 )
 from pytest_kvguard.scenarios.edit_replay import default_via, format_gap
-from pytest_kvguard.scenarios.replaying import common_prefix, floor_cuts
-from pytest_kvguard.scoring import reuse_gap
+from pytest_kvguard.scoring import floor_cuts, reuse_gap
 
 TUTOR = load_conversation("tutor", Path("."))
 

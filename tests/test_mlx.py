@@ -119,7 +119,9 @@ def test_the_api_paths_batched_reply_scores_as_token_by_token_decoding(
     """edit_replay's mlx API path scores the forced reply's tokens after the first in one call
     of the model (generate_step costs 0.1 to 0.16 s a token here): the same log-probabilities
     as generate_step forcing them one at a time, on a full cache and on Gemma 3's own cache
-    (its sliding layers wrapped: 600 prompt tokens past its 512 window)."""
+    (its sliding layers wrapped: 600 prompt tokens past its 512 window). Measured here: 8.7e-6
+    and 1.5e-5 nats at most, the model's one-row and 47-row float32 sums; scoring one half
+    with mlx's float32 logsumexp instead read 2.4e-4 and 8.2e-4 apart."""
     import mlx.core as mx
     import numpy as np
     from mlx_lm.generate import generate_step

@@ -22,9 +22,15 @@ from pytest_kvguard.engines import EngineOptions, Prompt, load_engine
 from pytest_kvguard.engines.served.llama_server import LlamaServerEngine
 from pytest_kvguard.engines.served.process import ServerSettings
 from pytest_kvguard.gate.policies import Policy
-from pytest_kvguard.inputs.chats import DEFAULT_CHAT, followup, history, load_conversation
+from pytest_kvguard.inputs.chats import (
+    DEFAULT_CHAT,
+    common_prefix,
+    followup,
+    history,
+    load_conversation,
+)
 from pytest_kvguard.inputs.models import ModelRef
-from pytest_kvguard.scenarios.replaying import common_prefix, run_edit_replay
+from pytest_kvguard.scenarios.replaying import run_edit_replay
 
 SMOLLM2 = ModelRef("smollm2-135m")
 

@@ -57,13 +57,16 @@ class SavedEngine:
     kinds: Mapping[str, str]
     default_kinds: tuple[str, ...]
     suffix: str
+    reply_tokens: int
+    """Forced reply tokens scored by default."""
 
 
 SAVED_ENGINES = {
     "mlx": SavedEngine("mlx-lm", "pytest_kvguard.engines.mlx.saved_cache", saved_cache.KINDS,
-                       ("plain", "rotating"), ".safetensors"),
+                       ("plain", "rotating"), ".safetensors", DEFAULT_REPLY_TOKENS),
     "llama_cpp": SavedEngine("llama-cpp-python", "pytest_kvguard.engines.llama_cpp.saved_state",
-                             saved_state.KINDS, ("full",), ".pickle"),
+                             saved_state.KINDS, ("full",), ".pickle",
+                             saved_state.DEFAULT_REPLY_TOKENS),
 }  # fmt: skip
 MAX_REUSE_EXCESS = 0.1
 """nats per reply token, llama.cpp: the reuse gap of the loaded state over llama.cpp's own floor
@@ -101,6 +104,13 @@ def judge(read: Mapping[str, Any], tolerance: Tolerance) -> tuple[str, str]:
         return "FAIL", f"loads, then fails on use: {read['replay_error']}"
     if "metadata_error" in read:
         return "FAIL", f"loads, misread: {read['metadata_error']}"
+    if "ids_error" in read:
+        return "FAIL", f"loads, but {read['ids_error']}"
+    if read.get("kept", math.inf) < read.get("reusable", 0):
+        return "FAIL", (
+            f"loads, but the follow-up reused {read['kept']} of its {read['reusable']} tokens "
+            "the saved state holds"
+        )
     mean, worst = read.get("mean_abs_nll_diff", math.nan), read.get("max_abs_nll_diff", math.nan)
     if "reuse_excess" in read:  # llama.cpp: judged against its own floor
         excess, floor = read["reuse_excess"], read["reuse_floor"]
@@ -305,19 +315,20 @@ def parser() -> argparse.ArgumentParser:
         "--cap",
         type=count(1),
         default=DEFAULT_CAP,
-        help=f"rotating: max_size (default {DEFAULT_CAP})",
+        help=f"mlx, rotating: max_size (default {DEFAULT_CAP})",
     )
     p.add_argument(
         "--sinks",
         type=count(0),
         default=DEFAULT_SINKS,
-        help=f"rotating: keep (default {DEFAULT_SINKS})",
+        help=f"mlx, rotating: keep (default {DEFAULT_SINKS})",
     )
     p.add_argument(
         "--reply-tokens",
         type=count(1),
-        default=DEFAULT_REPLY_TOKENS,
-        help=f"forced reply tokens scored (default {DEFAULT_REPLY_TOKENS})",
+        default=None,
+        help=f"forced reply tokens scored (default: mlx {DEFAULT_REPLY_TOKENS}, llama_cpp "
+        f"{saved_state.DEFAULT_REPLY_TOKENS}, as edit_replay scores a reuse)",
     )
     p.add_argument(
         "--max-mean-nll-diff",
@@ -395,7 +406,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             common += ["--chat-template", template.name if bundled else str(template.path)]
         tolerance = Tolerance(args.max_mean_nll_diff, args.max_abs_nll_diff,
                               args.max_reuse_excess)  # fmt: skip
-        rows = check_matrix(engine, writer, readers, kinds, model, common, args.reply_tokens,
+        reply_tokens = args.reply_tokens or engine.reply_tokens
+        rows = check_matrix(engine, writer, readers, kinds, model, common, reply_tokens,
                             tolerance, args.timeout)  # fmt: skip
     except KvguardError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
@@ -404,12 +416,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.engine == "llama_cpp":
         print(
             f"tolerance: mean |dNLL| beyond llama.cpp's own floor <= "
-            f"{tolerance.reuse_excess:g} nats over {args.reply_tokens} forced reply tokens"
+            f"{tolerance.reuse_excess:g} nats over {reply_tokens} forced reply tokens"
         )
     else:
         print(
             f"tolerance: mean |dNLL| <= {tolerance.mean_abs_nll_diff:g} nats and max |dNLL| <= "
-            f"{tolerance.max_abs_nll_diff:g} nats over {args.reply_tokens} forced reply tokens"
+            f"{tolerance.max_abs_nll_diff:g} nats over {reply_tokens} forced reply tokens"
         )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")

@@ -14,6 +14,7 @@ import llama_cpp as lc
 from pytest_kvguard.engines.llama_log import captured_log, init_backend
 from pytest_kvguard.errors import EngineError
 from pytest_kvguard.inputs.chats import ChatTemplate, NoChatTemplate
+from pytest_kvguard.inputs.models import gguf_chat_template
 
 
 def tokenize(vocab: Any, text: str) -> list[int]:
@@ -59,12 +60,12 @@ class ChatCall:
     def __init__(self, model_path: Path, template: ChatTemplate | None) -> None:
         from llama_cpp import Llama
 
+        if template is None and gguf_chat_template(model_path) is None:
+            raise NoChatTemplate(model_path.name)  # llama-cpp-python would use llama-2
         with captured_log():
             self.llm = Llama(str(model_path), vocab_only=True, verbose=False)
         if template is not None:
             self.llm.chat_handler = chat_handler(self.llm, template)
-        elif "tokenizer.chat_template" not in self.llm.metadata:
-            raise NoChatTemplate(model_path.name)
 
         def stop_at_prefill(*args: Any, **kwargs: Any) -> Any:
             raise _Prefilled(kwargs["prompt"] if "prompt" in kwargs else args[0])

@@ -121,8 +121,7 @@ class Reuse:
     reprefilled: int
     """Prompt tokens it decoded again."""
     restored_checkpoint: int | None
-    """Tokens covered by the checkpoint it restored, if it did (on an API that keeps an app's
-    states, the state it loaded)."""
+    """Tokens covered by the checkpoint it restored, if it did."""
     reply_nll: np.ndarray | None
     """-log p of each forced reply token, generated right after the prompt from that cache;
     None where the engine cannot report token probabilities."""
@@ -130,6 +129,9 @@ class Reuse:
     """Positions the first re-prefilled token attends to in the sliding layers that the
     cache no longer held when the engine kept its prefix (0: the window was all there); None
     where the engine's state cannot be read."""
+    loaded_state: int | None = None
+    """Tokens of the state an app's own state cache loaded for the follow-up (llama-cpp-python's
+    ``LlamaRAMCache``, ``LlamaDiskCache``, a saved ``LlamaState``); None where none was."""
 
 
 @dataclass(frozen=True)

@@ -168,7 +168,7 @@ class Budgets:
         "max",
         " nats",
         "|dNLL|",
-        "mean per-token |NLL difference| between engines, or reused cache and fresh prefill",
+        "mean per-token |NLL difference| between engines",
         "parity: mean over tokens of |NLL(engine A) - NLL(engine B)| on the same ids, in nats.",
     )
     max_ppl_diff_pct: float | None = _limit(

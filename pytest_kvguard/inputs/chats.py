@@ -9,7 +9,8 @@ the generation prompt added, special tokens parsed)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -114,9 +115,11 @@ class NoChatTemplate(KvguardError):
         super().__init__(
             f"{model} carries no chat template, and each engine falls back to another "
             "(llama-cpp-python's chat call: llama-2 [INST]; llama.cpp's C API and llama-server: "
-            "chatml; mlx-lm: none), so there is no one prompt an app sends",
-            fix="give the check params.chat_template: a Jinja file, or gemma3-it (the template "
-            "Gemma 3's instruction-tuned releases ship) for Gemma 3",
+            "chatml; mlx_lm.server: plain 'USER: ... ASSISTANT:' text), so there is no one "
+            "prompt an app sends",
+            fix="give a chat template (params.chat_template in a budgets file, --chat-template "
+            "on the command line): a Jinja file, or gemma3-it (the template Gemma 3's "
+            "instruction-tuned releases ship) for Gemma 3",
             key="params.chat_template",
         )
 
@@ -125,8 +128,12 @@ def load_chat_template(spec: str, base_dir: Path) -> ChatTemplate:
     """A bundled template by name (``BUNDLED_TEMPLATES``), or a Jinja file."""
     if spec in BUNDLED_TEMPLATES:
         resource = resources.files("pytest_kvguard").joinpath(f"data/chat_templates/{spec}.jinja")
-        with resources.as_file(resource) as path:
-            return ChatTemplate(spec, Path(path), path.read_text("utf-8"))
+        source = resource.read_text("utf-8")
+        path = Path(str(resource))
+        if not path.is_file():  # a zipped install: a file a server can be given
+            path = Path(tempfile.mkdtemp(prefix="kvguard-template-")) / f"{spec}.jinja"
+            path.write_text(source, encoding="utf-8")
+        return ChatTemplate(spec, path, source)
     path = resolve_under(spec, base_dir)
     try:
         source = path.read_text(encoding="utf-8")
@@ -208,6 +215,16 @@ def followup(conversation: Conversation, kind: str, message: int | None) -> list
         last = max(i for i, m in enumerate(messages) if m.role == "assistant")
         return [m.rendered(with_reasoning=i == last) for i, m in enumerate(messages)]
     raise KvguardError(f"unknown follow-up '{kind}'", fix="use one of " + ", ".join(FOLLOWUPS))
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix: where the edited request starts to differ."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def reply_ids(tokenize: Callable[[str], list[int]], count: int) -> list[int]:

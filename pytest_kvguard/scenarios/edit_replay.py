@@ -131,8 +131,8 @@ class EditReplayScenario(Scenario[ReplaySpec]):
               "from the engine's memory operations); default: api where the engine has one "
               "(llama_cpp, mlx, the servers), else memory"),
         Param("api_state", "str", "none",
-              "llama_cpp with via: api: none, ram (Llama.set_cache(LlamaRAMCache())) or saved "
-              "(save_state after the first request, load_state before the follow-up)"),
+              "llama_cpp with via: api, how the app keeps its states: "
+              + "; ".join(f"{k} ({v})" for k, v in API_STATES.items())),
         Param("reply_tokens", "int", 128,
               "tokens of a fixed reply forced after the follow-up and scored against a fresh "
               "prefill and the engine's floor (0: no correctness score)", minimum=0),
@@ -143,7 +143,9 @@ class EditReplayScenario(Scenario[ReplaySpec]):
         Param("stale_window", "bool", False,
               "true: the check reuses a prefix whose sliding window is gone on purpose (a "
               "control, or a finding): ERROR where the reuse kept its whole window "
-              "(window_missing_tokens 0), since it then tests nothing stale; llama_cpp via api"),
+              "(window_missing_tokens 0), since it then tests nothing stale (where the engine "
+              "reuses nothing, the expected violation reads MISSED: the finding is gone); "
+              "llama_cpp via api"),
         *KV_PRECISION,
     )  # fmt: skip
     budgets = ("max_reprefill_tokens", "max_reprefill_fraction", "min_reused_tokens",

@@ -21,7 +21,8 @@ from pytest_kvguard.engines import (
 )
 from pytest_kvguard.errors import EngineError
 from pytest_kvguard.gate.policies import Policy
-from pytest_kvguard.scoring import reuse_gap
+from pytest_kvguard.inputs.chats import common_prefix
+from pytest_kvguard.scoring import floor_cuts, reuse_gap
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ class Replay:
     reprefilled: int
     """Tokens decoded again (llama-server's prompt_n)."""
     restored_checkpoint: int | None
-    """Tokens covered by the checkpoint restored, if one was (or the app's state loaded)."""
+    """Tokens covered by the checkpoint restored, if one was."""
     seconds: float
     reply_nll: np.ndarray | None = None
     """-log p of each forced reply token after the follow-up, from the reused cache."""
@@ -47,26 +48,8 @@ class Replay:
     cut: the engine's own floor."""
     window_missing: int | None = None
     """Sliding-window positions under the reused prefix the cache no longer held (Reuse)."""
-
-
-def floor_cuts(reused: int, prompt_tokens: int) -> list[int]:
-    """Where the floor's fresh prefill is cut: where this reuse cut the follow-up, between the
-    tokens it kept and those it prefilled (the split, a restored checkpoint, the engine's own
-    rounding), for a correct reuse cut there computes its cache in those two parts; the
-    reference it is set against is the fresh prefill in the engine's own batches (cut 0). A
-    reuse that kept nothing has no cut: its replay is a fresh prefill itself, and its floor
-    is 0."""
-    return [reused] if 0 < reused < prompt_tokens else []
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix: where the edited prompt starts to differ."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+    loaded_state: int | None = None
+    """Tokens of the state the app's own state cache loaded for the follow-up (Reuse)."""
 
 
 @dataclass(frozen=True)
@@ -80,7 +63,8 @@ class ReplayRun:
     """What the cache (and its checkpoints) cost after the first prompt."""
     prefill_seconds: float
     reference_seconds: float = 0.0
-    """The fresh prefill the reused cache is scored against."""
+    """The fresh prefills the reused cache is scored against: the reference and the floor's
+    (0 where an earlier check computed both)."""
 
     @property
     def metrics(self) -> dict[str, float]:
@@ -102,6 +86,8 @@ class ReplayRun:
             **reuse_gap(r.reply_nll, r.fresh_nll, r.cut_nll),
             **({} if r.window_missing is None else
                {"window_missing_tokens": float(r.window_missing)}),
+            **({} if r.loaded_state is None else
+               {"loaded_state_tokens": float(r.loaded_state)}),
         }  # fmt: skip
 
 
@@ -142,6 +128,7 @@ def run_edit_replay(
     cache = open_replay_cache(engine, policy, longest, via, api_state)
     reply_nll: np.ndarray | None = None
     window_missing: int | None = None
+    loaded_state: int | None = None
     scores = dict(fresh or {})
     try:
         if prefilled is None:
@@ -164,7 +151,7 @@ def run_edit_replay(
             reuse = cache.replay(followup, reply_ids)
             reused, reprefilled = reuse.reused, reuse.reprefilled
             restored, reply_nll = reuse.restored_checkpoint, reuse.reply_nll
-            window_missing = reuse.window_missing
+            window_missing, loaded_state = reuse.window_missing, reuse.loaded_state
             if reused > split:
                 raise EngineError(
                     f"the engine reused {reused} tokens of a follow-up that shares only {split} "
@@ -207,6 +194,7 @@ def run_edit_replay(
         fresh_nll=scores.get(0),
         cut_nll={c: scores[c] for c in cuts if c},
         window_missing=window_missing,
+        loaded_state=loaded_state,
     )
     run = ReplayRun(policy, len(first_ids), replay, memory, seconds, reference_seconds)
     return run, prefilled, scores

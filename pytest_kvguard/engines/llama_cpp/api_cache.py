@@ -34,6 +34,13 @@ API_CALLS = "llama_cpp.Llama.create_chat_completion (Llama.generate's own prefix
 CONTEXT_STEP = 1024
 """A shared ``Llama``'s context is the check's need rounded up to this, so checks of similar
 sizes share one (the context's size does not change what a request computes)."""
+
+
+def context_size(tokens: int) -> int:
+    """The context a ``Llama`` gets for requests of up to ``tokens`` tokens (and one more)."""
+    return -(-(tokens + 1) // CONTEXT_STEP) * CONTEXT_STEP
+
+
 BETWEEN = ({"role": "user", "content": "What does the len() function return for a dict?"},)
 """The request an app serves between the first prompt and the follow-up (another user's, a
 new chat): the ``Llama`` then holds something else, so the follow-up's state must come from
@@ -83,6 +90,7 @@ class CountedLlama:
             self.llm = Llama(**settings)
         except (ValueError, RuntimeError) as exc:
             raise EngineError(f"llama_cpp.Llama could not load the model: {exc}") from None
+        self.swa_full = swa_full
         self.n_ctx = n_ctx
         self.handlers: dict[str, Any] = {}
         self.evaluations: list[tuple[int, int]] = []
@@ -90,8 +98,8 @@ class CountedLlama:
         self.oldest_held = -1
         """The oldest position the cache held when a request's first ``Llama.eval`` began."""
         self.loaded: int | None = None
-        """Tokens of the last state ``Llama.load_state`` loaded (an app's state read back)
-        since the Llama was emptied; None: none was."""
+        """Tokens of the last state ``Llama.load_state`` loaded (an app's state read back);
+        None: none was since the Llama was emptied."""
         real_eval, real_load = self.llm.eval, self.llm.load_state
 
         def counted_eval(tokens: Sequence[int]) -> None:
@@ -164,6 +172,19 @@ class CountedLlama:
             raise EngineError(f"Llama generated {held[:8]}... where the reply was forced")
         return nll
 
+    def fresh(self, prompt: Prompt, reply: Sequence[int], cut: int = 0) -> list[float]:
+        """The prompt and forced reply from an empty ``Llama`` with no state cache: prefilled in
+        its own batches, or, with ``cut``, after a ``create_completion`` of the first ``cut``
+        ids alone, which the prompt then reuses (checked: a floor cut elsewhere is no floor)."""
+        self.empty()
+        if cut:
+            self.send(prompt.cut(cut), ())
+        nll = self.send(prompt, reply)
+        kept = self.kept(prompt)[0]
+        if kept != cut:
+            raise EngineError(f"Llama kept {kept} tokens where {cut} were held for it")
+        return nll
+
     def kept(self, prompt: Prompt) -> tuple[int, int]:
         """(tokens the last request kept, tokens it evaluated), checked to add up."""
         if not self.evaluations:
@@ -182,13 +203,18 @@ class CountedLlama:
 
 def shared_llama(engine: LlamaCppEngine, policy: Policy, max_tokens: int) -> CountedLlama:
     """The worker's ``Llama`` for the policy's ``swa_full`` setting and a context of at least
-    ``max_tokens + 1``, loaded once."""
+    ``max_tokens + 1``: kept for the next check that asks for the same, one at a time (each
+    holds the model and its context)."""
     swa_full = swa_full_setting(policy)
-    n_ctx = -(-(max_tokens + 1) // CONTEXT_STEP) * CONTEXT_STEP
-    key = (swa_full, n_ctx)
-    if key not in engine.api_llamas:
-        engine.api_llamas[key] = CountedLlama(engine, swa_full, n_ctx)
-    return engine.api_llamas[key]
+    key = (swa_full, context_size(max_tokens))
+    held = engine.api_llama
+    if held is not None and (held.swa_full, held.n_ctx) == key:
+        return held
+    if held is not None:
+        held.close()
+        engine.api_llama = None
+    engine.api_llama = CountedLlama(engine, *key)
+    return engine.api_llama
 
 
 class LlamaApiCache:
@@ -243,25 +269,18 @@ class LlamaApiCache:
         nll = self.counted.send(prompt, reply)
         kept, evaluated = self.counted.kept(prompt)
         return Reuse(
-            kept, evaluated, self.counted.loaded, np.array(nll) if reply else None,
+            kept, evaluated, None, np.array(nll) if reply else None,
             window_missing(kept, self.counted.oldest_held, self.n_swa),
+            loaded_state=self.counted.loaded,
         )  # fmt: skip
 
     def score_fresh(self, prompt: Prompt, reply: Sequence[int], cut: int = 0) -> np.ndarray:
-        """From an empty ``Llama`` with no state cache; with ``cut``, ``create_completion`` of
-        the first ``cut`` ids, then the prompt (the Llama keeps those ``cut``)."""
-        self.counted.empty()
-        if cut:
-            self.counted.send(prompt.cut(cut), ())
-        nll = np.array(self.counted.send(prompt, reply))
-        kept = self.counted.kept(prompt)[0]
-        if kept != cut:
-            raise EngineError(f"Llama kept {kept} tokens where {cut} were held for it")
-        return nll
+        return np.array(self.counted.fresh(prompt, reply, cut))
 
     def memory_bytes(self) -> dict[str, float]:
-        """The context's state after the first request, as ``Llama.save_state`` copies it
-        (every cell held)."""
+        """The context's state after the first request (``llama_state_get_size``: every cell
+        held); a pickled ``LlamaState`` an app keeps also carries the Llama's logits buffer,
+        n_batch x vocabulary floats (512 MiB on Gemma 3)."""
         return {"state_bytes": self.state_bytes, "checkpoint_bytes": 0.0,
                 "checkpoints": 0.0}  # fmt: skip
 
@@ -276,7 +295,11 @@ class LlamaApiCache:
 
     def close(self) -> None:
         """The Llama stays loaded for the next check; what this one left in it goes."""
+        disk: Any = self.llm.cache
         self.counted.empty()
+        self.saved = None
         if self.folder is not None:
+            if disk is not None:
+                disk.cache.close()  # LlamaDiskCache's diskcache.Cache: its SQLite file
             self.folder.cleanup()
             self.folder = None

@@ -60,8 +60,9 @@ class LlamaCppEngine:
         self.n_swa = int(lc.llama_model_n_swa(model))
         """The sliding window of the model's sliding layers; 0 for a model without them."""
         self.chat_calls = gguf_vocab.ChatCalls(model_path)
-        self.api_llamas: dict[tuple[bool | None, int], CountedLlama] = {}
-        """llama-cpp-python ``Llama`` objects of edit_replay's API path, one per setting."""
+        self.api_llama: CountedLlama | None = None
+        """The llama-cpp-python ``Llama`` of edit_replay's API path, kept for the next check
+        of the same settings (``api_cache.shared_llama``)."""
         self.probes: dict[tuple[Any, ...], Any] = {}
         """What contexts made to be measured showed, by what was measured (``group``)."""
 
@@ -158,9 +159,9 @@ class LlamaCppEngine:
 
     def close(self) -> None:
         self.chat_calls.close()
-        for counted in self.api_llamas.values():
-            counted.close()
-        self.api_llamas.clear()
+        if self.api_llama is not None:
+            self.api_llama.close()
+            self.api_llama = None
         if self.model:
             lc.llama_model_free(self.model)
             self.model = None

@@ -27,9 +27,12 @@ import pickle
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pytest_kvguard.engines.entry_io import one_line, stdout_for_json
+
+if TYPE_CHECKING:
+    from pytest_kvguard.engines.llama_cpp.api_cache import CountedLlama
 
 KINDS = {
     "full": "Llama() as a model without sliding layers gets it (SmolLM2)",
@@ -55,13 +58,14 @@ class Chat:
     """The model in a ``CountedLlama`` of the kind's settings, and the chat's two requests."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from pytest_kvguard.engines.llama_cpp.api_cache import CountedLlama
+        from pytest_kvguard.engines.llama_cpp.api_cache import context_size
         from pytest_kvguard.engines.llama_cpp.engine import LlamaCppEngine
         from pytest_kvguard.engines.options import EngineOptions
         from pytest_kvguard.engines.protocols import Prompt
         from pytest_kvguard.inputs.chats import (
             DEFAULT_CHAT,
             REPLY,
+            common_prefix,
             followup,
             history,
             load_chat_template,
@@ -81,22 +85,30 @@ class Chat:
             for chat in (history(conversation), followup(conversation, "append", None))
         )  # fmt: skip
         self.reply = reply_ids(self.engine.tokenize, getattr(args, "reply_tokens", 0))
-        swa_full = {"full": None, "swa": False, "swa_full": True}[args.kind]
-        # The same context for the writer and every reader (a state carries arrays of its
-        # size): room for the follow-up and the whole fixed reply, in 1,024-token steps.
-        longest = len(self.followup.ids) + len(self.engine.tokenize(REPLY)) + 1
-        self.llama = CountedLlama(self.engine, swa_full, -(-longest // 1024) * 1024)
+        self.reusable = common_prefix(self.first.ids, self.followup.ids)
+        """What the follow-up can reuse of the saved first request (up to its generation
+        prompt)."""
+        self.swa_full = {"full": None, "swa": False, "swa_full": True}[args.kind]
+        # Room for the follow-up and the whole fixed reply: a state carries arrays the size of
+        # its context, so the readers take the writer's (from the file's sidecar).
+        self.n_ctx = context_size(len(self.followup.ids) + len(self.engine.tokenize(REPLY)))
+
+    def load(self, n_ctx: int | None = None) -> CountedLlama:
+        from pytest_kvguard.engines.llama_cpp.api_cache import CountedLlama
+
+        return CountedLlama(self.engine, self.swa_full, n_ctx or self.n_ctx)
 
 
 def write(args: argparse.Namespace) -> dict[str, Any]:
     chat = Chat(args)
+    llama = chat.load()
     say(f"sending the {len(chat.first.ids)}-token first request ({args.kind})")
     started = time.perf_counter()
-    chat.llama.send(chat.first, ())
-    state = chat.llama.llm.save_state()
+    llama.send(chat.first, ())
+    state = llama.llm.save_state()
     data = pickle.dumps(state)
     Path(args.out).write_bytes(data)
-    meta = {"ids": list(chat.first.ids), "writer": version()}
+    meta = {"ids": list(chat.first.ids), "writer": version(), "n_ctx": llama.n_ctx}
     Path(args.out + ".json").write_text(json.dumps(meta), encoding="utf-8")
     say(f"pickled {len(data):,} bytes to {args.out}")
     return {
@@ -110,7 +122,7 @@ def write(args: argparse.Namespace) -> dict[str, Any]:
 def read(args: argparse.Namespace) -> dict[str, Any]:
     import numpy as np
 
-    from pytest_kvguard.scoring import reuse_gap
+    from pytest_kvguard.scoring import floor_cuts, reuse_gap
 
     chat = Chat(args)
     path = Path(args.file)
@@ -121,9 +133,10 @@ def read(args: argparse.Namespace) -> dict[str, Any]:
     meta = json.loads(Path(args.file + ".json").read_text(encoding="utf-8"))
     result["writer_in_file"] = meta.get("writer")
     if meta.get("ids") != list(chat.first.ids):
-        result["metadata_error"] = "this release's chat call makes other ids than the writer's"
+        result["ids_error"] = "this release's chat call makes other ids than the writer's"
+    llama = chat.load(meta.get("n_ctx"))
     say(f"unpickling and loading {path}")
-    llm = chat.llama.llm
+    llm = llama.llm
     try:
         state = pickle.loads(path.read_bytes())  # noqa: S301 - a file this command wrote
         llm.reset()  # type: ignore[no-untyped-call]
@@ -133,19 +146,15 @@ def read(args: argparse.Namespace) -> dict[str, Any]:
     result["loads"] = True
     say(f"replaying the appended turn and {len(chat.reply)} reply tokens on the loaded state")
     try:
-        reused = np.array(chat.llama.send(chat.followup, chat.reply))
-        kept = chat.llama.kept(chat.followup)[0]
+        reused = np.array(llama.send(chat.followup, chat.reply))
+        kept = llama.kept(chat.followup)[0]
     except Exception as exc:  # loads, but cannot be used: quote the engine
         return {**result, "replay_error": one_line(exc)}
-    result["kept"] = kept
+    result.update(kept=kept, reusable=chat.reusable)
     say("the same from an empty Llama, and after the kept tokens alone (the floor)")
-    chat.llama.empty()
-    fresh = np.array(chat.llama.send(chat.followup, chat.reply))
-    cuts = {}
-    if 0 < kept < len(chat.followup.ids):
-        chat.llama.empty()
-        chat.llama.send(chat.followup.cut(kept), ())
-        cuts[kept] = np.array(chat.llama.send(chat.followup, chat.reply))
+    fresh = np.array(llama.fresh(chat.followup, chat.reply))
+    cuts = {c: np.array(llama.fresh(chat.followup, chat.reply, c))
+            for c in floor_cuts(kept, len(chat.followup.ids))}  # fmt: skip
     return {**result, **reuse_gap(reused, fresh, cuts)}
 
 

@@ -34,7 +34,7 @@ from pytest_kvguard.engines.options import EngineOptions  # noqa: E402
 from pytest_kvguard.engines.protocols import AttentionRows  # noqa: E402
 from pytest_kvguard.errors import EngineError, KvguardError  # noqa: E402
 from pytest_kvguard.gate.policies import Policy  # noqa: E402
-from pytest_kvguard.inputs.chats import ChatTemplate  # noqa: E402
+from pytest_kvguard.inputs.chats import ChatTemplate, NoChatTemplate  # noqa: E402
 
 
 def load(model_path: Path, options: EngineOptions) -> MlxEngine:
@@ -45,6 +45,8 @@ def _apply_chat_template(
     tokenizer: Any, messages: Sequence[Mapping[str, str]], template: ChatTemplate | None
 ) -> list[int]:
     """The folder's tokenizer applying its template (or ``template``), generation prompt added."""
+    if template is None and getattr(tokenizer, "chat_template", None) is None:
+        raise NoChatTemplate(str(getattr(tokenizer, "name_or_path", "the model")))
     extra = {} if template is None else {"chat_template": template.source}
     try:
         ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, **extra)

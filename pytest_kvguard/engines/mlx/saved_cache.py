@@ -81,6 +81,7 @@ class Chat:
         from pytest_kvguard.engines.options import EngineOptions
         from pytest_kvguard.inputs.chats import (
             DEFAULT_CHAT,
+            common_prefix,
             followup,
             history,
             load_chat_template,
@@ -88,7 +89,6 @@ class Chat:
             reply_ids,
         )
         from pytest_kvguard.inputs.models import parse_model
-        from pytest_kvguard.scenarios.replaying import common_prefix
 
         path = parse_model(model, Path.cwd()).resolve()
         self.model_name = path.name

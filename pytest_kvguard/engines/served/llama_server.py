@@ -40,8 +40,10 @@ from pytest_kvguard.engines.served.process import (
     Http,
     ServerProcess,
     ServerSettings,
+    chat_ids_of,
     field,
     find_binary,
+    own_template,
     seconds_from_env,
 )
 from pytest_kvguard.engines.served.server_cache import SLOT, ServerPrefixCache
@@ -80,9 +82,6 @@ class LlamaServerEngine:
         self._props: dict[str, Any] | None = None
         self._adds_bos: bool | None = None
         self.last_shifts = []
-        self.chat_template: Path | None = None
-        """The template file of the last ``chat_ids``: the server a prefix cache opens next
-        applies it too, so the chat's ids and its replay come from one server."""
 
     # -- servers ---------------------------------------------------------------------------
 
@@ -163,11 +162,8 @@ class LlamaServerEngine:
     def tokenize(self, text: str) -> list[int]:
         # As the in-process engines tokenize plain text: BOS where the model wants one,
         # special-token text not parsed.
-        return self._tokenize(self.serve(None), text, parse_special=False)
-
-    def _tokenize(self, http: Http, text: str, parse_special: bool) -> list[int]:
-        body = {"content": text, "add_special": True, "parse_special": parse_special}
-        tokens = field(http.post("/tokenize", body), "tokens", where="/tokenize")
+        body = {"content": text, "add_special": True, "parse_special": False}
+        tokens = field(self.serve(None).post("/tokenize", body), "tokens", where="/tokenize")
         if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
             raise EngineError(f"llama-server's /tokenize gave no list of ids: {str(tokens)[:120]}")
         return tokens
@@ -175,28 +171,20 @@ class LlamaServerEngine:
     def chat_ids(
         self, messages: Sequence[Mapping[str, str]], template: ChatTemplate | None = None
     ) -> list[int]:
-        """The server's own chat path: ``/apply-template`` (its template, the generation
-        prompt added) and ``/tokenize`` with special tokens parsed and BOS as the vocabulary
-        says, as ``/v1/chat/completions`` tokenizes the prompt it renders."""
+        """The server's own chat path (``chat_ids_of``), on a server started with the
+        template given (``--chat-template-file``)."""
         if template is not None and self.url:
-            raise KvguardError(
-                f"the llama-server at {self.url} applies the chat template it was started with; "
-                "kvguard cannot hand it another",
-                fix="start it with --jinja --chat-template-file FILE and drop params.chat_template",
-                key="params.chat_template",
-            )
+            raise own_template(self.url)
         model = self.model_path
         if template is None and model is not None and gguf_chat_template(model) is None:
             raise NoChatTemplate(model.name)  # the server would fall back to chatml
-        self.chat_template = None if template is None else template.path
+        path = None if template is None else template.path
         running = self.server.settings if self.server is not None else None
-        if self.url or (running is not None and running.chat_template == self.chat_template):
+        if self.url or (running is not None and running.chat_template == path):
             http = self.serve(None)
         else:
-            http = self.serve(ServerSettings(TOKENIZE_CTX, chat_template=self.chat_template))
-        body = {"messages": list(messages), "add_generation_prompt": True}
-        prompt = field(http.post("/apply-template", body), "prompt", where="/apply-template")
-        return self._tokenize(http, str(prompt), parse_special=True)
+            http = self.serve(ServerSettings(TOKENIZE_CTX, chat_template=path))
+        return chat_ids_of(http, messages)
 
     def adds_bos(self) -> bool:
         """Whether the model's tokenizer puts a BOS first (llama-server then keeps one token
@@ -219,7 +207,6 @@ class LlamaServerEngine:
             checkpoint_min_step=policy.checkpoint_step if policy.checkpoints else 0,
             cache_type_k=policy.cache_type_k,
             cache_type_v=policy.cache_type_v,
-            chat_template=self.chat_template,
         )
         return ServerPrefixCache(self, settings)
 

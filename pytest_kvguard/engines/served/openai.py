@@ -8,9 +8,9 @@ reads reused = ``cached_tokens``, re-prefilled = ``prompt_tokens - cached_tokens
 The token ids come from the server itself, so they are the ids it caches. Which endpoint gives
 them depends on the server, named by ``/v1/models`` (``owned_by``):
 
-- ``llamacpp``: ``/apply-template`` renders the chat, ``/tokenize`` tokenizes it, as the
-  ``llama_server`` engine does (special-token text not parsed, so both engines send the same
-  ids).
+- ``llamacpp``: ``/apply-template`` renders the chat with the generation prompt, ``/tokenize``
+  tokenizes it with special tokens parsed, as ``/v1/chat/completions`` does and as the
+  ``llama_server`` engine asks for them.
 - ``vllm``: ``/tokenize`` with ``messages`` renders and tokenizes in one call.
 - ``sglang``: its ``/tokenize`` takes text only, and nothing renders a chat without generating,
   so edit_replay is refused with that reason.
@@ -33,6 +33,8 @@ from pytest_kvguard.engines.served.process import (
     DEFAULT_REQUEST_TIMEOUT,
     REQUEST_TIMEOUT_ENV,
     Http,
+    chat_ids_of,
+    own_template,
     seconds_from_env,
 )
 from pytest_kvguard.errors import EngineError, KvguardError
@@ -130,12 +132,9 @@ class OpenAIServerEngine:
         parsed; vLLM's ``/tokenize`` of the messages (one call, its template and tokenizer)."""
         if self.dialect == "llamacpp":
             if template is not None:
-                raise self._own_template()
-            body: dict[str, Any] = {"messages": list(messages), "add_generation_prompt": True}
-            prompt = answer_field(self.http.post("/apply-template", body), "prompt",
-                                  where="/apply-template")  # fmt: skip
-            body = {"content": str(prompt), "add_special": True, "parse_special": True}
-        elif self.dialect == "vllm":
+                raise own_template(self.url)
+            return chat_ids_of(self.http, messages)
+        if self.dialect == "vllm":
             body = {"model": self.served()[0], "messages": list(messages),
                     "add_generation_prompt": True, "add_special_tokens": False}  # fmt: skip
             if template is not None:
@@ -144,14 +143,6 @@ class OpenAIServerEngine:
             raise self._no_rendering()
         return token_list(answer_field(self.http.post("/tokenize", body), "tokens",
                                        where="/tokenize"), "/tokenize")  # fmt: skip
-
-    def _own_template(self) -> KvguardError:
-        return KvguardError(
-            f"the llama-server at {self.url} applies the chat template it was started with; "
-            "kvguard cannot hand it another",
-            fix="start it with --jinja --chat-template-file FILE and drop params.chat_template",
-            key="params.chat_template",
-        )
 
     def _no_rendering(self) -> EngineError:
         kind = self.dialect or "this server"

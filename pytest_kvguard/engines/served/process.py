@@ -24,7 +24,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -395,3 +395,26 @@ def binary_version() -> str | None:
     output = (done.stdout + done.stderr).decode("utf-8", "replace")
     found = re.search(r"version: ([^\n]+)", output)
     return found.group(1) if found else "unknown"
+
+
+def chat_ids_of(http: Http, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    """A llama-server's own chat path for ``messages``: ``/apply-template`` (its template, the
+    generation prompt added) and ``/tokenize`` with special tokens parsed and BOS as the
+    vocabulary says, as ``/v1/chat/completions`` tokenizes the prompt it renders."""
+    body: dict[str, Any] = {"messages": list(messages), "add_generation_prompt": True}
+    prompt = field(http.post("/apply-template", body), "prompt", where="/apply-template")
+    body = {"content": str(prompt), "add_special": True, "parse_special": True}
+    tokens = field(http.post("/tokenize", body), "tokens", where="/tokenize")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+        raise EngineError(f"llama-server's /tokenize gave no list of ids: {str(tokens)[:120]}")
+    return tokens
+
+
+def own_template(url: str) -> KvguardError:
+    """A chat template given for a llama-server kvguard did not start."""
+    return KvguardError(
+        f"the llama-server at {url} applies the chat template it was started with; kvguard "
+        "cannot hand it another",
+        fix="start it with --jinja --chat-template-file FILE and drop params.chat_template",
+        key="params.chat_template",
+    )

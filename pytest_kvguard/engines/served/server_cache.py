@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -33,10 +34,10 @@ class ServerPrefixCache:
     def __init__(self, engine: LlamaServerEngine, settings: ServerSettings) -> None:
         self.engine = engine
         self.settings = settings
-        self.http = engine.serve(settings)
-        self._erase()
+        """The server's settings; the first request adds the chat template its prompt came
+        from, so the ids and their replay come from one server (``request``)."""
         self.first_answer: dict[str, Any] | None = None
-        self.log_start = len(engine.server.log_text()) if engine.server else 0
+        self.log_start = 0
         """Where this cache's part of the server log starts (its checkpoints, restores)."""
 
     def _erase(self) -> None:
@@ -79,6 +80,14 @@ class ServerPrefixCache:
         return answer, np.array(nll)
 
     def request(self, prompt: Prompt) -> None:
+        """The first request, on a server started with the template the prompt's chat came
+        from (as a deployment passes ``--chat-template-file``), its slot emptied first."""
+        path = None if prompt.template is None else prompt.template.path
+        self.settings = replace(self.settings, chat_template=path)
+        self.http = self.engine.serve(self.settings)
+        server = self.engine.server
+        self.log_start = len(server.log_text()) if server else 0
+        self._erase()
         self.first_answer = self._complete(prompt.ids)[0]
 
     def replay(self, prompt: Prompt, reply: Sequence[int]) -> Reuse:
