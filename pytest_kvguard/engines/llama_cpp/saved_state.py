@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pytest_kvguard.engines.entry_io import one_line, stdout_for_json
+from pytest_kvguard.engines.entry_io import bundled_chat_requests, one_line, saved_cache_main
 
 if TYPE_CHECKING:
     from pytest_kvguard.engines.llama_cpp.api_cache import CountedLlama
@@ -61,30 +61,15 @@ class Chat:
         from pytest_kvguard.engines.llama_cpp.api_cache import context_size
         from pytest_kvguard.engines.llama_cpp.engine import LlamaCppEngine
         from pytest_kvguard.engines.options import EngineOptions
-        from pytest_kvguard.engines.protocols import Prompt
-        from pytest_kvguard.inputs.chats import (
-            DEFAULT_CHAT,
-            REPLY,
-            common_prefix,
-            followup,
-            history,
-            load_chat_template,
-            load_conversation,
-            reply_ids,
-        )
+        from pytest_kvguard.inputs.chats import REPLY, common_prefix
         from pytest_kvguard.inputs.models import parse_model
 
         path = parse_model(args.model, Path.cwd()).resolve()
         self.model_name = path.name
         self.engine = LlamaCppEngine(path, EngineOptions.from_env())
-        template = (None if args.chat_template is None
-                    else load_chat_template(args.chat_template, Path.cwd()))  # fmt: skip
-        conversation = load_conversation(DEFAULT_CHAT, Path.cwd()).first(args.messages)
-        self.first, self.followup = (
-            Prompt(tuple(self.engine.chat_ids(chat, template)), tuple(chat), template)
-            for chat in (history(conversation), followup(conversation, "append", None))
-        )  # fmt: skip
-        self.reply = reply_ids(self.engine.tokenize, getattr(args, "reply_tokens", 0))
+        self.first, self.followup, self.reply = bundled_chat_requests(
+            self.engine, args.messages, args.chat_template, getattr(args, "reply_tokens", 0)
+        )
         self.reusable = common_prefix(self.first.ids, self.followup.ids)
         """What the follow-up can reuse of the saved first request (up to its generation
         prompt)."""
@@ -159,28 +144,11 @@ def read(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pytest_kvguard.engines.llama_cpp.saved_state")
-    commands = parser.add_subparsers(dest="command", required=True)
-    for name in ("write", "read"):
-        sub = commands.add_parser(name)
-        sub.add_argument("--model", required=True, help="a bundled model name or a GGUF path")
-        sub.add_argument("--kind", required=True, choices=sorted(KINDS))
-        sub.add_argument("--messages", type=int, default=DEFAULT_MESSAGES)
-        sub.add_argument("--chat-template", default=None, help="a bundled name or a Jinja file")
-        if name == "write":
-            sub.add_argument("--out", required=True)
-        else:
-            sub.add_argument("--file", required=True)
-            sub.add_argument("--reply-tokens", type=int, default=DEFAULT_REPLY_TOKENS)
-    args = parser.parse_args(argv)
-    with stdout_for_json() as emit:
-        try:
-            result = write(args) if args.command == "write" else read(args)
-            code = 0
-        except Exception as exc:  # one line for the caller, never a traceback
-            result, code = {"llama_cpp_python": version(), "error": one_line(exc)}, 1
-        emit(json.dumps(result) + "\n")
-    return code
+    return saved_cache_main(
+        argv, prog="python -m pytest_kvguard.engines.llama_cpp.saved_state", kinds=KINDS,
+        defaults={"messages": DEFAULT_MESSAGES, "reply_tokens": DEFAULT_REPLY_TOKENS},
+        write=write, read=read, versions=lambda: {"llama_cpp_python": version()},
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

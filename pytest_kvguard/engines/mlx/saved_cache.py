@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pytest_kvguard.engines.entry_io import one_line, stdout_for_json
+from pytest_kvguard.engines.entry_io import bundled_chat_requests, one_line, saved_cache_main
 
 KINDS = {
     "plain": "KVCache on every layer (policy full)",
@@ -79,28 +79,19 @@ class Chat:
         # The adapter preloads OpenBLAS before mlx; import it first.
         from pytest_kvguard.engines.mlx.engine import MlxEngine
         from pytest_kvguard.engines.options import EngineOptions
-        from pytest_kvguard.inputs.chats import (
-            DEFAULT_CHAT,
-            common_prefix,
-            followup,
-            history,
-            load_chat_template,
-            load_conversation,
-            reply_ids,
-        )
+        from pytest_kvguard.inputs.chats import common_prefix
         from pytest_kvguard.inputs.models import parse_model
 
         path = parse_model(model, Path.cwd()).resolve()
         self.model_name = path.name
         self.engine = MlxEngine(path, EngineOptions.from_env())
-        conversation = load_conversation(DEFAULT_CHAT, Path.cwd()).first(messages)
-        template = None if chat_template is None else load_chat_template(chat_template, Path.cwd())
-        first = self.engine.chat_ids(history(conversation), template)
-        self.followup = self.engine.chat_ids(followup(conversation, "append", None), template)
+        first, then, self.reply = bundled_chat_requests(
+            self.engine, messages, chat_template, reply_tokens
+        )
+        self.followup = list(then.ids)
         # What a cache of the first request holds that the next one can use: the two requests'
         # ids up to where the first one's generation prompt and the new turn part.
-        self.cached = self.followup[: common_prefix(first, self.followup)]
-        self.reply = reply_ids(self.engine.tokenize, reply_tokens)
+        self.cached = self.followup[: common_prefix(first.ids, self.followup)]
 
     def new_caches(self, kind: str, cap: int, sinks: int) -> list[Any]:
         from pytest_kvguard.engines.mlx.caches import make_caches
@@ -246,31 +237,16 @@ def read_metadata(metadata: Any, cached: Sequence[int]) -> dict[str, Any]:
     return found
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pytest_kvguard.engines.mlx.saved_cache")
-    commands = parser.add_subparsers(dest="command", required=True)
-    for name in ("write", "read"):
-        sub = commands.add_parser(name)
-        sub.add_argument("--model", required=True, help="a bundled model name or a GGUF path")
-        sub.add_argument("--kind", required=True, choices=sorted(KINDS))
+def main(argv: list[str] | None = None) -> int:
+    def cache_shape(sub: argparse.ArgumentParser) -> None:
         sub.add_argument("--cap", type=int, default=DEFAULT_CAP)
         sub.add_argument("--sinks", type=int, default=DEFAULT_SINKS)
-        sub.add_argument("--messages", type=int, default=DEFAULT_MESSAGES)
-        sub.add_argument("--chat-template", default=None, help="a bundled name or a Jinja file")
-        if name == "write":
-            sub.add_argument("--out", required=True)
-        else:
-            sub.add_argument("--file", required=True)
-            sub.add_argument("--reply-tokens", type=int, default=DEFAULT_REPLY_TOKENS)
-    args = parser.parse_args(argv)
-    with stdout_for_json() as emit:
-        try:
-            result = write(args) if args.command == "write" else read(args)
-            code = 0
-        except Exception as exc:  # one line for the caller, never a traceback
-            result, code = {**versions(), "error": one_line(exc)}, 1
-        emit(json.dumps(result) + "\n")
-    return code
+
+    return saved_cache_main(
+        argv, prog="python -m pytest_kvguard.engines.mlx.saved_cache", kinds=KINDS,
+        defaults={"messages": DEFAULT_MESSAGES, "reply_tokens": DEFAULT_REPLY_TOKENS},
+        write=write, read=read, versions=versions, add_arguments=cache_shape,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":
