@@ -270,3 +270,43 @@ def test_a_bad_against_models_entry_names_the_budgets_file_and_line(
     result.stderr.fnmatch_lines(
         ["ERROR: *budgets.yaml:17: against_models: candidate model file 'missing.gguf' not found*"]
     )
+
+
+def _edit_replay_outcome(metrics: dict[str, float], model_path: str) -> Any:
+    from pytest_kvguard.gate.outcome import Outcome
+    from pytest_kvguard.scenarios.edit_replay import ReplayDetail
+
+    return Outcome(
+        name="smollm2-full-edit-end", scenario="edit_replay", engine="llama_cpp",
+        engine_version="0.3.36", engine_info={}, model="smollm2-135m", model_path=model_path,
+        model_sha256=model_path, kv_bytes_per_token=None, policy="full", tokens=1101, text="",
+        text_sha256="", metrics=metrics, budgets={}, budget_text="", violations=[],
+        expect_violation=False, reason=None, seconds={}, tokens_per_second=0.0,
+        detail=ReplayDetail("edit #-3"),
+    )  # fmt: skip
+
+
+def test_a_preview_judges_the_reuse_excess_not_the_raw_gap_that_holds_the_floor() -> None:
+    """Measured: SmolLM2 Q4_1 -> Q4_K_M moves smollm2-full-edit-end's raw reuse gap 0 ->
+    0.064 nats (llama.cpp's Q4_K batch-split floor, 0.077) while its excess stays below 0: the
+    preview judges what the scenario's budgets judge (reuse_excess), so that passes; an
+    excess that grows past its tolerance still fails."""
+    from pytest_kvguard.gate.baseline import compare_with_other_run, tolerances
+
+    counts = {"reused_tokens": 753.0, "reprefill_tokens": 348.0, "memory_bytes": 25242685.0}
+    old = _edit_replay_outcome(
+        {**counts, "mean_abs_nll_diff": 0.0, "reuse_floor": 0.0, "reuse_excess": 0.0}, "a.gguf"
+    )
+    correct = _edit_replay_outcome(
+        {**counts, "mean_abs_nll_diff": 0.0637, "reuse_floor": 0.0768, "reuse_excess": -0.0131},
+        "b.gguf",
+    )
+    stale = _edit_replay_outcome(
+        {**counts, "mean_abs_nll_diff": 0.1437, "reuse_floor": 0.0768, "reuse_excess": 0.0669},
+        "b.gguf",
+    )
+    rules = tolerances({})
+    assert compare_with_other_run(correct, old, rules, "3.11").violations == []
+    (found,) = compare_with_other_run(stale, old, rules, "3.11").violations
+    assert found.startswith("regressed against model smollm2-135m (model preview): reuse_excess ")
+    assert "mean_abs_nll_diff" not in found
