@@ -36,7 +36,6 @@ class ServerPrefixCache:
         self.settings = settings
         """The server's settings; the first request adds the chat template its prompt came
         from, so the ids and their replay come from one server (``request``)."""
-        self.first_answer: dict[str, Any] | None = None
         self.log_start = 0
         """Where this cache's part of the server log starts (its checkpoints, restores)."""
 
@@ -88,7 +87,7 @@ class ServerPrefixCache:
         server = self.engine.server
         self.log_start = len(server.log_text()) if server else 0
         self._erase()
-        self.first_answer = self._complete(prompt.ids)[0]
+        self._complete(prompt.ids)
 
     def replay(self, prompt: Prompt, reply: Sequence[int]) -> Reuse:
         """Send the follow-up (and the forced reply): reused, re-prefilled and the checkpoint
