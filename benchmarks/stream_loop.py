@@ -18,13 +18,13 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from pytest_kvguard.core.policies import Policy, make_policy
+from pytest_kvguard.core.scoring import nll_of, perplexity
 from pytest_kvguard.engines import Engine, EngineOptions
-from pytest_kvguard.gate.policies import Policy, make_policy
 from pytest_kvguard.gate.runner import Runner
 from pytest_kvguard.inputs.models import ModelRef
 from pytest_kvguard.inputs.texts import pydoc_topics
 from pytest_kvguard.scenarios.feeding import run_stream, run_streams
-from pytest_kvguard.scoring import nll_of, perplexity
 
 CAP = 256
 SINK_COUNTS = (0, 1, 2, 4, 8)

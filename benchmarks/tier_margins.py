@@ -22,8 +22,8 @@ from typing import Any
 
 from tabulate import tabulate
 
-from pytest_kvguard.gate.budgets import Budgets
-from pytest_kvguard.units import format_value
+from pytest_kvguard.core.budgets import Budgets
+from pytest_kvguard.core.units import format_value
 
 BUDGET_FIELDS = {f.name: f.metadata for f in fields(Budgets)}
 COUNTS = {

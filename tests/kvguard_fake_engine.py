@@ -22,10 +22,10 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from pytest_kvguard.core.errors import EngineError
+from pytest_kvguard.core.policies import Policy
 from pytest_kvguard.engines import AttentionRows, EngineInfo, EngineOptions
 from pytest_kvguard.engines.conversation import Turn, converse_through_stream
-from pytest_kvguard.errors import EngineError
-from pytest_kvguard.gate.policies import Policy
 
 VOCAB = 32
 TOY_WINDOW = 16

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pytest_kvguard.gate.policies import make_policy
+from pytest_kvguard.core.policies import make_policy
 from pytest_kvguard.gate.runner import Runner
 from pytest_kvguard.inputs.models import ModelRef
 from pytest_kvguard.inputs.texts import pydoc_topics

@@ -12,16 +12,16 @@ from typing import Any
 import numpy as np
 import pytest
 
+from pytest_kvguard.core.budgets import Budgets
+from pytest_kvguard.core.policies import make_policy
+from pytest_kvguard.core.scoring import perplexity
 from pytest_kvguard.engines import EngineOptions
-from pytest_kvguard.gate.budgets import Budgets
 from pytest_kvguard.gate.checks import Written, build_check
-from pytest_kvguard.gate.policies import make_policy
 from pytest_kvguard.gate.runner import Runner, run_check
 from pytest_kvguard.inputs.models import ModelRef
 from pytest_kvguard.inputs.texts import pydoc_topics
 from pytest_kvguard.scenarios.base import Check
 from pytest_kvguard.scenarios.feeding import RunSpec, StreamRun, run_specs, run_stream, run_streams
-from pytest_kvguard.scoring import perplexity
 
 SMOLLM2 = ModelRef("smollm2-135m")
 

@@ -13,7 +13,7 @@ import pytest
 
 import pytest_kvguard
 from pytest_kvguard.cli import bisect as bisect_cli
-from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.core.errors import KvguardError
 from pytest_kvguard.isolation.bisection import (
     BAD,
     CRASH,

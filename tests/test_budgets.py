@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.gate.budgets import Budgets, kv_budget
+from pytest_kvguard.core.budgets import Budgets, kv_budget
+from pytest_kvguard.core.errors import KvguardError
 
 
 @pytest.mark.parametrize(("measured", "broken"), [(19.0, False), (20.0, False), (21.0, True)])

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from pytest_kvguard.cli.capacity import arch_from_config, capacity_table, main, predict_kv_bytes
-from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.cli.capacity import capacity_table, main, predict_kv_bytes
+from pytest_kvguard.core.errors import KvguardError
+from pytest_kvguard.inputs.architecture import arch_from_config
 
 CONFIG = Path(__file__).parent.parent / "fixtures" / "gemma-3-270m.config.json"
 
@@ -65,9 +66,9 @@ def test_command_line_bad_file(tmp_path: Path, capsys: pytest.CaptureFixture[str
 
 def test_quantized_caches_against_hand_arithmetic() -> None:
     """Quantized predictions from the formats' own layouts (no engine)."""
+    from pytest_kvguard.core.policies import make_policy
     from pytest_kvguard.engines.llama_cpp.kv_size import predict_stream_kv_bytes as llama_bytes
     from pytest_kvguard.engines.mlx.kv_size import predict_stream_kv_bytes as mlx_bytes
-    from pytest_kvguard.gate.policies import make_policy
     from pytest_kvguard.inputs.models import ModelArch
 
     # One layer, 3 KV heads of 64: mlx-lm 0.28 to 0.32 measured 221,184 bytes for 300 tokens

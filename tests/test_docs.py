@@ -11,9 +11,9 @@ import pytest
 from test_workflows import ACTION, _load
 
 from pytest_kvguard.cli import docs
+from pytest_kvguard.core.budgets import Budgets
 from pytest_kvguard.engines import ENGINES
 from pytest_kvguard.gate.baseline import COMPARABLE_METRICS
-from pytest_kvguard.gate.budgets import Budgets
 from pytest_kvguard.gate.budgets_file import TOP_KEYS
 from pytest_kvguard.gate.checks import CHECK_KEYS
 from pytest_kvguard.plugin.options import ENVIRONMENT

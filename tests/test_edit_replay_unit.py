@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.core.errors import KvguardError
+from pytest_kvguard.core.scoring import floor_cuts, reuse_gap
 from pytest_kvguard.gate.budgets_file import load_budgets_file
 from pytest_kvguard.inputs.chats import (
     APPENDED_TURN,
@@ -19,7 +20,6 @@ from pytest_kvguard.inputs.chats import (
     load_conversation,
 )
 from pytest_kvguard.scenarios.edit_replay import default_via, format_gap
-from pytest_kvguard.scoring import floor_cuts, reuse_gap
 
 TUTOR = load_conversation("tutor", Path("."))
 

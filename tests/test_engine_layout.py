@@ -1,4 +1,5 @@
-"""The package's shape: no import loops, engines that have what they declare, no module too long."""
+"""The package's shape: layers that import only downwards, no import loops, engines that have what
+they declare, no module too long."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from pytest_kvguard.core.errors import KvguardError
 from pytest_kvguard.engines import CAPABILITIES, ENGINES, PREFIX_CACHE_CAPABILITIES, EngineInfo
 from pytest_kvguard.engines.registry import require_installed
-from pytest_kvguard.errors import KvguardError
 
 PACKAGE = Path(__file__).resolve().parents[1] / "pytest_kvguard"
 MAX_LINES = 450
@@ -92,6 +93,52 @@ def test_the_import_graph_has_no_loops() -> None:
     }  # the parser sees imports (else an empty graph would pass)  # fmt: skip
     cycle = find_cycle(graph)
     assert cycle is None, "import loop: " + " -> ".join(cycle or [])
+
+
+LAYERS = ("core", "inputs", "engines", "scenarios", "gate", "isolation", "plugin", "cli")
+"""The package's folders, lowest first (docs/contributing.md): a module may import its own
+layer's modules and those of the layers below it, never one above."""
+
+
+def layer_of(module: str) -> str:
+    """The layer a module belongs to: its top folder (the package's own ``__init__``: core)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "core"
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of a module in a higher layer, as ``importer -> imported (layer -> layer)``."""
+    rank = {layer: i for i, layer in enumerate(LAYERS)}
+    return [
+        f"{module} -> {target} ({layer_of(module)} -> {layer_of(target)})"
+        for module, targets in sorted(graph.items())
+        for target in sorted(targets)
+        if rank[layer_of(target)] > rank[layer_of(module)]
+    ]
+
+
+def test_every_module_belongs_to_a_layer() -> None:
+    strays = sorted(m for m in module_names() if layer_of(m) not in LAYERS)
+    assert not strays, f"modules outside the layers {LAYERS}: {strays}"
+
+
+def test_no_layer_imports_one_above_it() -> None:
+    modules = module_names()
+    graph = {name: imports_of(name, path, modules) for name, path in modules.items()}
+    assert graph["pytest_kvguard.scenarios.stream"] >= {"pytest_kvguard.core.policies"}
+    upward = upward_imports(graph)
+    assert not upward, "imports of a higher layer:\n" + "\n".join(upward)
+
+
+def test_an_upward_import_is_found_and_named() -> None:
+    graph = {
+        "pytest_kvguard.engines.mlx.engine": {"pytest_kvguard.core.policies"},
+        "pytest_kvguard.core.budgets": {"pytest_kvguard.scenarios"},
+        "pytest_kvguard.inputs.models": {"pytest_kvguard.inputs.texts", "pytest_kvguard"},
+    }
+    assert upward_imports(graph) == [
+        "pytest_kvguard.core.budgets -> pytest_kvguard.scenarios (core -> scenarios)"
+    ]
 
 
 def test_a_loop_is_found_and_named() -> None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from pytest_kvguard.core.errors import KvguardError
+from pytest_kvguard.core.policies import POLICY_KINDS, make_policy
 from pytest_kvguard.engines import ENGINES, check_policy
-from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.gate.policies import POLICY_KINDS, make_policy
 
 
 def test_mlx_refuses_reindexed_positions() -> None:

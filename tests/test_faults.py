@@ -14,8 +14,8 @@ import re
 import pytest
 from gate_invariants import QUICK
 
+from pytest_kvguard.core.errors import KvguardError
 from pytest_kvguard.engines import EngineOptions
-from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.gate.budgets_file import load_budgets_file
 from pytest_kvguard.gate.faults import FAULTS, inject
 from pytest_kvguard.gate.runner import Runner, run_check

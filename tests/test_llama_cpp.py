@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
+from pytest_kvguard.core.budgets import Budgets
+from pytest_kvguard.core.policies import make_policy
 from pytest_kvguard.engines import Prompt
-from pytest_kvguard.gate.budgets import Budgets
 from pytest_kvguard.gate.checks import Written, build_check
-from pytest_kvguard.gate.policies import make_policy
 from pytest_kvguard.gate.runner import Runner, run_check
 from pytest_kvguard.inputs.models import ModelRef, read_arch
 from pytest_kvguard.inputs.texts import pydoc_topics
@@ -213,8 +213,8 @@ def test_quantized_cache_types_hold_the_predicted_bytes(
 ) -> None:
     """llama.cpp's context in the asked cache types (a quantized V runs under flash attention,
     which kvguard turns on): the state within 0.5% of the prediction, the scores close to f16."""
-    from pytest_kvguard.cli.capacity import predict_engine_kv_bytes
-    from pytest_kvguard.scoring import perplexity
+    from pytest_kvguard.core.scoring import perplexity
+    from pytest_kvguard.engines.kv_size import predict_engine_kv_bytes
 
     engine = runner.engine("llama_cpp", SMOLLM2)
     f16 = run_stream(engine, make_policy("full"), short_ids)
@@ -230,7 +230,7 @@ def test_quantized_cache_types_hold_the_predicted_bytes(
 
 
 def test_every_cache_type_kvguard_accepts_has_its_ggml_type() -> None:
+    from pytest_kvguard.core.policies import LLAMA_CACHE_TYPES
     from pytest_kvguard.engines.llama_cpp.context import GGML_TYPES
-    from pytest_kvguard.gate.policies import LLAMA_CACHE_TYPES
 
     assert set(GGML_TYPES) == set(LLAMA_CACHE_TYPES)

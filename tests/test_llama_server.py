@@ -17,12 +17,12 @@ import os
 import numpy as np
 import pytest
 
+from pytest_kvguard.core.errors import KvguardError
+from pytest_kvguard.core.policies import make_policy
 from pytest_kvguard.engines import EngineOptions, load_engine
 from pytest_kvguard.engines.conversation import Turn
 from pytest_kvguard.engines.served.llama_server import LlamaServerEngine
 from pytest_kvguard.engines.served.process import ServerSettings
-from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.gate.policies import make_policy
 from pytest_kvguard.gate.runner import Runner
 from pytest_kvguard.inputs.models import ModelRef
 from pytest_kvguard.inputs.texts import pydoc_topics

@@ -8,13 +8,14 @@ import kvguard_fake_engine
 import numpy as np
 import pytest
 
-from pytest_kvguard.cli.capacity import arch_from_config, predict_engine_kv_bytes
-from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.gate.budgets import Budgets
-from pytest_kvguard.gate.policies import make_policy
+from pytest_kvguard.core.budgets import Budgets
+from pytest_kvguard.core.errors import KvguardError
+from pytest_kvguard.core.policies import make_policy
+from pytest_kvguard.core.units import format_size
+from pytest_kvguard.engines.kv_size import predict_engine_kv_bytes
+from pytest_kvguard.inputs.architecture import arch_from_config
 from pytest_kvguard.scenarios.feeding import StreamRun, StreamSample, run_stream
 from pytest_kvguard.scenarios.memory import check_lengths, memory_result
-from pytest_kvguard.units import format_size
 
 GEMMA = arch_from_config(Path(__file__).parent.parent / "fixtures" / "gemma-3-270m.config.json")
 # One token in one Gemma 3 layer: 1 KV head x (256 + 256) elements: 1,024 B at f16, 2,048 B at f32.

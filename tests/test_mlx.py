@@ -7,12 +7,12 @@ import sys
 
 import pytest
 
-from pytest_kvguard.gate.policies import make_policy
+from pytest_kvguard.core.policies import make_policy
+from pytest_kvguard.core.scoring import perplexity
 from pytest_kvguard.gate.runner import Runner
 from pytest_kvguard.inputs.models import ModelRef
 from pytest_kvguard.inputs.texts import pydoc_topics
 from pytest_kvguard.scenarios.feeding import run_stream
-from pytest_kvguard.scoring import perplexity
 
 pytestmark = pytest.mark.mlx
 SMOLLM2 = ModelRef("smollm2-135m")
@@ -74,7 +74,8 @@ def test_a_quantized_cache_is_mlx_lms_own_and_holds_the_predicted_bytes(
 ) -> None:
     from mlx_lm.models.cache import QuantizedKVCache
 
-    from pytest_kvguard.cli.capacity import predict_engine_kv_bytes, read_arch
+    from pytest_kvguard.engines.kv_size import predict_engine_kv_bytes
+    from pytest_kvguard.inputs.models import read_arch
 
     engine = kvguard_runner.engine("mlx", SMOLLM2)
     full = run_stream(engine, make_policy("full"), short_ids)
@@ -100,7 +101,7 @@ def test_a_quantized_cache_is_mlx_lms_own_and_holds_the_predicted_bytes(
 def test_mlx_lm_refuses_to_quantize_a_rotating_cache_in_one_line(
     kvguard_runner: Runner, short_ids: list[int]
 ) -> None:
-    from pytest_kvguard.errors import EngineRefusal
+    from pytest_kvguard.core.errors import EngineRefusal
 
     engine = kvguard_runner.engine("mlx", SMOLLM2)
     policy = make_policy("sink", cap=64, sinks=4, positions="absolute", kv_bits=4)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from pytest_kvguard.cli.model_facts import main
-from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.core.errors import KvguardError
 from pytest_kvguard.inputs.model_facts import (
     IDENTICAL,
     diff_facts,

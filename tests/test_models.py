@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.core.errors import KvguardError
 from pytest_kvguard.inputs.models import ModelRef, env_var_for, parse_model, read_arch
 
 

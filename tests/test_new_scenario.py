@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 import pytest_kvguard
-from pytest_kvguard.gate.policies import Policy
+from pytest_kvguard.core.policies import Policy
 from pytest_kvguard.inputs.texts import load_text
 from pytest_kvguard.scenarios import SCENARIOS
 from pytest_kvguard.scenarios.base import (

@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 
+from pytest_kvguard.core.policies import Policy
 from pytest_kvguard.engines import EngineOptions, Prompt, load_engine
 from pytest_kvguard.engines.served.llama_server import LlamaServerEngine
 from pytest_kvguard.engines.served.process import ServerSettings
-from pytest_kvguard.gate.policies import Policy
 from pytest_kvguard.inputs.chats import (
     DEFAULT_CHAT,
     common_prefix,

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.gate.policies import make_policy
+from pytest_kvguard.core.errors import KvguardError
+from pytest_kvguard.core.policies import make_policy
 
 
 def test_sink_defaults_to_four_pinned_tokens() -> None:

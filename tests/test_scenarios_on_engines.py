@@ -21,7 +21,7 @@ import pytest
 from gate_invariants import SERVED_AGREEMENTS, assert_agreements, assert_row_holds
 
 from pytest_kvguard.gate.budgets_file import load_budgets_file
-from pytest_kvguard.isolation.environments import Environments
+from pytest_kvguard.gate.engine_pythons import Environments
 from pytest_kvguard.plugin.session import ENVIRONMENTS_KEY, run_gated, sendable, session_pool
 from pytest_kvguard.scenarios.base import Check
 

@@ -8,11 +8,11 @@ import kvguard_fake_engine
 import numpy as np
 import pytest
 
-from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.gate.policies import make_policy
+from pytest_kvguard.core.errors import KvguardError
+from pytest_kvguard.core.policies import make_policy
+from pytest_kvguard.core.scoring import nll_of as _nll
 from pytest_kvguard.scenarios.feeding import run_stream
 from pytest_kvguard.scenarios.stream import check_reaches_eviction, compare
-from pytest_kvguard.scoring import nll_of as _nll
 
 
 def test_nll_matches_a_direct_log_softmax() -> None:

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.isolation.environments import Environments, parse_assignments
+from pytest_kvguard.core.errors import KvguardError
+from pytest_kvguard.gate.engine_pythons import Environments, parse_assignments
 from pytest_kvguard.isolation.workers import describe_exit
 
 pytestmark = pytest.mark.usefixtures("fake_engine")

@@ -24,9 +24,11 @@ from typing import Any
 
 from tabulate import tabulate
 
+from pytest_kvguard.core.errors import KvguardError
+from pytest_kvguard.core.units import format_change, format_figure
 from pytest_kvguard.engines import engine_info
-from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.gate.budgets_file import load_budgets_file
+from pytest_kvguard.gate.engine_pythons import Environments
 from pytest_kvguard.isolation.bisection import (
     CRASH,
     UNUSABLE,
@@ -43,7 +45,6 @@ from pytest_kvguard.isolation.bisection import (
 )
 from pytest_kvguard.isolation.environments import (
     MARKER,
-    Environments,
     create_environment,
     default_root,
     environment_dir,
@@ -51,7 +52,6 @@ from pytest_kvguard.isolation.environments import (
 )
 from pytest_kvguard.isolation.workers import package_path
 from pytest_kvguard.scenarios import SCENARIOS
-from pytest_kvguard.units import format_change, format_figure
 
 PROGRESS = "[bisect]"
 

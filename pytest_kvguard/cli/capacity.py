@@ -3,7 +3,7 @@
 Reads the architecture from a GGUF file or a Hugging Face ``config.json`` (``layer_types``,
 ``sliding_window``, ``num_key_value_heads``, ``head_dim``) and predicts KV bytes per policy as
 llama.cpp holds them (``engines.llama_cpp.kv_size``). Each engine's prediction of a stream's
-KV bytes (the memory scenario's) lives in its own package; ``predict_engine_kv_bytes`` picks it.
+KV bytes (the memory scenario's) is its adapter's (``engines.kv_size.predict_engine_kv_bytes``).
 
     python -m pytest_kvguard.cli.capacity MODEL.gguf|config.json [--contexts 512,1024] [--cap 256]
 """
@@ -11,116 +11,21 @@ KV bytes (the memory scenario's) lives in its own package; ``predict_engine_kv_b
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from types import ModuleType
 
 from tabulate import tabulate
 
+from pytest_kvguard.core.errors import KvguardError
+from pytest_kvguard.core.policies import LLAMA_CACHE_TYPES
+from pytest_kvguard.core.units import mib
 from pytest_kvguard.engines.kv_size import layer_bytes
-from pytest_kvguard.engines.llama_cpp import kv_size as llama_cpp_kv_size
 from pytest_kvguard.engines.llama_cpp.kv_size import cache_type_bytes, predict_kv_bytes
-from pytest_kvguard.engines.mlx import kv_size as mlx_kv_size
-from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.gate.policies import LLAMA_CACHE_TYPES, Policy
-from pytest_kvguard.inputs.model_folder import config_swa_layers, text_config
-from pytest_kvguard.inputs.models import ModelArch, read_arch
-from pytest_kvguard.units import mib
+from pytest_kvguard.inputs.architecture import load_arch
+from pytest_kvguard.inputs.models import ModelArch
 
 DEFAULT_CONTEXTS = (512, 1024, 2048, 4096, 8192)
-
-
-def arch_from_config(path: Path) -> ModelArch:
-    """The figures of a Hugging Face ``config.json`` (text config nested under ``text_config``;
-    which layers slide as ``model_folder.config_swa_layers`` reads it)."""
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise KvguardError(f"cannot read {path}: {exc}", fix="give a config.json") from None
-    if not isinstance(config, dict):
-        raise KvguardError(f"{path} is not a JSON object", fix="give a config.json")
-    config = text_config(config)
-    try:
-        n_layers = int(config["num_hidden_layers"])
-        n_heads = int(config["num_attention_heads"])
-        head_dim = int(config.get("head_dim") or config["hidden_size"] // n_heads)
-        n_kv_heads = int(config.get("num_key_value_heads") or n_heads)
-    except KeyError as exc:
-        raise KvguardError(
-            f"{path} lacks {exc}", fix="give a decoder model's config.json"
-        ) from None
-    except (TypeError, ValueError) as exc:
-        raise KvguardError(
-            f"{path}: a layer or head figure is not a number ({exc})",
-            fix="give a decoder model's config.json",
-        ) from None
-    window = config.get("sliding_window")
-    swa_layers = config_swa_layers(config)
-    model_type = str(config.get("model_type", "unknown"))
-    if swa_layers is None:
-        raise KvguardError(
-            f"{path}: which layers of this {model_type} model slide (window {window}) is "
-            "unknown: no layer_types or sliding_window_pattern",
-            fix="give the model's GGUF file, or add layer_types to config.json",
-        )
-    return ModelArch(
-        architecture=model_type,
-        n_layers=n_layers,
-        n_kv_heads=n_kv_heads,
-        head_dim_k=head_dim,
-        head_dim_v=head_dim,
-        context_length=int(config.get("max_position_embeddings", 0)),
-        sliding_window=int(window) if window and any(swa_layers) else None,
-        swa_layers=swa_layers,
-    )
-
-
-def load_arch(path: Path) -> ModelArch:
-    """A GGUF file's, a config.json's, or a model folder's (its config.json) architecture."""
-    if path.is_dir():
-        return arch_from_config(path / "config.json")
-    if path.suffix == ".json":
-        return arch_from_config(path)
-    return read_arch(path)
-
-
-KV_SIZES: dict[str, ModuleType] = {"llama_cpp": llama_cpp_kv_size, "mlx": mlx_kv_size}
-"""Each engine's own KV-size prediction (its package's ``kv_size``), by engine name."""
-
-
-def rotating_capacity(engine: str, policy: Policy, arch: ModelArch) -> int | None:
-    """Entries a rotating cache of this policy holds on ``engine``: the cap, or where the
-    engine's sliding layers rotate (mlx-lm's swa) the model's window; None where nothing
-    rotates."""
-    module = KV_SIZES.get(engine)
-    return policy.cap if module is None else module.rotating_capacity(policy, arch)
-
-
-def predict_engine_kv_bytes(
-    engine: str,
-    arch: ModelArch,
-    n_tokens: int,
-    policy: Policy,
-    *,
-    element_bytes: float,
-    n_ubatch: int = 512,
-    last_call: int = 1,
-) -> float:
-    """KV bytes an engine should report after ``n_tokens`` fed as the stream scenario feeds
-    them, the last call ``last_call`` tokens: the engine's own prediction (its package's
-    ``kv_size``); on another engine, a capped policy's ``min(n, cap)`` entries per layer."""
-    module = KV_SIZES.get(engine)
-    if module is not None:
-        prediction: float = module.predict_stream_kv_bytes(
-            arch, n_tokens, policy, element_bytes=element_bytes, n_ubatch=n_ubatch,
-            last_call=last_call,
-        )  # fmt: skip
-        return prediction
-    if policy.cap is None:
-        raise KvguardError(f"no KV prediction for engine '{engine}'")
-    return arch.n_layers * min(n_tokens, policy.cap) * layer_bytes(arch, element_bytes)
 
 
 def capacity_table(

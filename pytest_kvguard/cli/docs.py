@@ -20,11 +20,11 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, cast
 
+from pytest_kvguard.core.budgets import Budgets
+from pytest_kvguard.core.errors import KvguardError
+from pytest_kvguard.core.policies import POLICY_KINDS, POSITION_MODES
 from pytest_kvguard.engines import ENGINES
 from pytest_kvguard.engines.protocols import CAPABILITIES, PREFIX_CACHE_CAPABILITIES
-from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.gate.budgets import Budgets
-from pytest_kvguard.gate.policies import POLICY_KINDS, POSITION_MODES
 from pytest_kvguard.gate.report import report_schema
 from pytest_kvguard.inputs.models import BUNDLED_MODELS, env_var_for
 from pytest_kvguard.plugin.options import ENVIRONMENT, MODEL_ENVIRONMENT, add_options

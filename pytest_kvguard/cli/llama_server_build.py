@@ -30,9 +30,9 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from pytest_kvguard.core.errors import KvguardError
+from pytest_kvguard.core.paths import user_cache_home
 from pytest_kvguard.engines import installed_version
-from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.paths import user_cache_home
 
 CACHE_ENV = "KVGUARD_CACHE"
 X86_64_FLAGS = "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"

@@ -19,12 +19,11 @@ from pathlib import Path
 
 from tabulate import tabulate
 
-from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.core.errors import KvguardError
+from pytest_kvguard.engines.chat_tokens import CHAT_TOKENS, chat_token_line
 from pytest_kvguard.inputs.model_facts import (
-    CHAT_TOKENS,
     LABELS,
     ModelFacts,
-    chat_token_line,
     diff_facts,
     diff_lines,
     fact_rows,

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from pytest_kvguard.cli.model_facts import model_path
-from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.core.errors import KvguardError
 
 PREFIX = "LLAMA_FTYPE_MOSTLY_"
 

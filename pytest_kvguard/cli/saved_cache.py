@@ -33,6 +33,7 @@ from typing import Any, NoReturn
 
 from tabulate import tabulate
 
+from pytest_kvguard.core.errors import KvguardError
 from pytest_kvguard.engines.llama_cpp import saved_state
 from pytest_kvguard.engines.mlx import saved_cache
 from pytest_kvguard.engines.mlx.saved_cache import (
@@ -41,7 +42,6 @@ from pytest_kvguard.engines.mlx.saved_cache import (
     DEFAULT_REPLY_TOKENS,
     DEFAULT_SINKS,
 )
-from pytest_kvguard.errors import KvguardError
 
 PROG = "kvguard-saved-cache"
 
@@ -365,6 +365,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    from pytest_kvguard.gate.engine_pythons import check_python
     from pytest_kvguard.inputs.chats import (
         BUNDLED_TEMPLATES,
         DEFAULT_CHAT,
@@ -372,7 +373,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         load_conversation,
     )
     from pytest_kvguard.inputs.models import parse_model
-    from pytest_kvguard.isolation.environments import check_python
 
     engine = SAVED_ENGINES[args.engine]
     kinds = list(dict.fromkeys(args.kind or engine.default_kinds))

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pytest_kvguard.scoring import nll_of
+from pytest_kvguard.core.scoring import nll_of
 
 if TYPE_CHECKING:
     from pytest_kvguard.engines import Stream

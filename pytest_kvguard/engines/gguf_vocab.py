@@ -11,8 +11,8 @@ from typing import Any
 
 import llama_cpp as lc
 
+from pytest_kvguard.core.errors import EngineError
 from pytest_kvguard.engines.llama_log import captured_log, init_backend
-from pytest_kvguard.errors import EngineError
 from pytest_kvguard.inputs.chats import ChatTemplate, NoChatTemplate
 from pytest_kvguard.inputs.models import gguf_chat_template
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.core.errors import KvguardError
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 
-from pytest_kvguard.gate.policies import Policy
+from pytest_kvguard.core.policies import Policy
 
 if TYPE_CHECKING:
     from pytest_kvguard.engines.conversation import Turn

@@ -13,9 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pytest_kvguard.core.errors import KvguardError
 from pytest_kvguard.engines.options import EngineOptions
 from pytest_kvguard.engines.protocols import CAPABILITIES, PREFIX_CACHE_CAPABILITIES, Engine
-from pytest_kvguard.errors import KvguardError
 
 ENGINE_PATHS = {
     "feed": "kvguard's own loop feeds the engine and scores every next token (Engine.open_stream)",
@@ -96,9 +96,15 @@ class EngineInfo:
     cache_type_v); None: it is not."""
     kv_precision_paths: tuple[str, ...] = ()
     """The engine paths on which the adapter applies those settings."""
+    kv_size: str | None = None
+    """The adapter's KV-size module (imports no engine): ``rotating_capacity(policy, arch)``
+    and ``predict_stream_kv_bytes(...)``; None: a capped policy's ``min(n, cap)`` entries."""
     gguf_architectures: tuple[str, ...] | None = None
     """The GGUF architectures (``general.architecture``) the adapter loads itself, where it
     maps them to the engine's own model classes; None: whatever the engine's library knows."""
+    architecture_probe: str | None = None
+    """``module:function``, ``function(path) -> reason | None``: the engine's own refusal of
+    a user's GGUF file, asked before any run where the engine runs in the pytest process."""
 
 
 ENGINES: dict[str, EngineInfo] = {
@@ -123,6 +129,8 @@ ENGINES: dict[str, EngineInfo] = {
             capabilities=frozenset({"reads_attention", "groups", "snapshot", "api_reuse"}),
             kv_precision="cache_types",
             kv_precision_paths=("feed", "attention_read"),
+            kv_size="pytest_kvguard.engines.llama_cpp.kv_size",
+            architecture_probe="pytest_kvguard.engines.model_usable:llama_cpp_refusal",
         ),
         EngineInfo(
             "mlx",
@@ -144,6 +152,7 @@ ENGINES: dict[str, EngineInfo] = {
             capabilities=frozenset({"reads_attention", "groups", "api_reuse"}),
             kv_precision="kv_bits",
             kv_precision_paths=("feed", "attention_read"),
+            kv_size="pytest_kvguard.engines.mlx.kv_size",
         ),
         EngineInfo(
             "llama_server",

@@ -8,9 +8,9 @@ own (``Scenario.engine_path``), and the engines name none.
 
 from __future__ import annotations
 
+from pytest_kvguard.core.errors import KvguardError
+from pytest_kvguard.core.policies import Policy
 from pytest_kvguard.engines.registry import ENGINES, engine_info
-from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.gate.policies import Policy
 
 
 def support_table() -> list[tuple[str, str, tuple[str, ...]]]:

@@ -17,12 +17,12 @@ from typing import Any
 
 from tabulate import tabulate
 
-from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.gate.budgets import Budgets, unknown_key_error
+from pytest_kvguard.core.budgets import Budgets, unknown_key_error
+from pytest_kvguard.core.errors import KvguardError
+from pytest_kvguard.core.units import format_change, format_figure
 from pytest_kvguard.gate.outcome import Outcome, Row
 from pytest_kvguard.gate.report import READABLE_SCHEMAS
 from pytest_kvguard.scenarios import SCENARIOS
-from pytest_kvguard.units import format_change, format_figure
 
 _GATED = Budgets.gated_metrics(Budgets.names())
 

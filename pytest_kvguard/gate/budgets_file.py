@@ -39,18 +39,18 @@ from typing import Any
 
 import yaml
 
+from pytest_kvguard.core.budgets import unknown_key_error
+from pytest_kvguard.core.errors import KvguardError
 from pytest_kvguard.engines import engine_info
-from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.gate.baseline import Tolerance, parse_tolerance, tolerances
-from pytest_kvguard.gate.budgets import unknown_key_error
 from pytest_kvguard.gate.checks import DEFAULT_KEYS, Written, build_check
-from pytest_kvguard.gate.model_preview import SwapSpec
-from pytest_kvguard.isolation.environments import (
+from pytest_kvguard.gate.engine_pythons import (
     EVERY_ENGINE,
     Environments,
     check_python,
     engine_environments,
 )
+from pytest_kvguard.gate.model_preview import SwapSpec
 from pytest_kvguard.scenarios.base import Check
 
 SCHEMA_VERSION = 1

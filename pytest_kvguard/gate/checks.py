@@ -13,9 +13,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from pytest_kvguard.core.budgets import Budgets, unknown_key_error
+from pytest_kvguard.core.errors import KvguardError
 from pytest_kvguard.engines import ENGINES, engine_info, require_installed
-from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.gate.budgets import Budgets, unknown_key_error
 from pytest_kvguard.inputs.models import parse_model
 from pytest_kvguard.scenarios import DEFAULT_SCENARIO, SCENARIOS, all_param_names
 from pytest_kvguard.scenarios.base import Check, Fields

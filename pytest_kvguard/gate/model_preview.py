@@ -17,11 +17,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from pytest_kvguard.core.errors import KvguardError
 from pytest_kvguard.engines import ENGINES
-from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.engines.chat_tokens import chat_token_line
 from pytest_kvguard.inputs.model_facts import (
     FactDifference,
-    chat_token_line,
     diff_facts,
     diff_lines,
     read_model_facts,

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.core.errors import KvguardError
 from pytest_kvguard.gate.outcome import Outcome, Row
 from pytest_kvguard.scenarios import SCENARIOS
 from pytest_kvguard.scenarios.base import Panel

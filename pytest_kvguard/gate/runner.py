@@ -12,6 +12,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from pytest_kvguard.core.errors import KvguardError
+from pytest_kvguard.core.policies import Policy
 from pytest_kvguard.engines import (
     Engine,
     EngineOptions,
@@ -19,9 +21,7 @@ from pytest_kvguard.engines import (
     check_policy,
     load_engine,
 )
-from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.gate.outcome import Outcome
-from pytest_kvguard.gate.policies import Policy
 from pytest_kvguard.inputs.models import ModelRef, file_sha256, read_arch
 from pytest_kvguard.inputs.texts import Text
 from pytest_kvguard.scenarios import SCENARIOS

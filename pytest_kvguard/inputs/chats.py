@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.paths import resolve_under
+from pytest_kvguard.core.errors import KvguardError
+from pytest_kvguard.core.paths import resolve_under
 
 DEFAULT_CHAT = "tutor"
 BUNDLED_TEMPLATES = ("gemma3-it",)

@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.paths import cached_per_file
+from pytest_kvguard.core.errors import KvguardError
+from pytest_kvguard.core.paths import cached_per_file
 
 MAGIC = b"GGUF"
 SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",

@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from pytest_kvguard.errors import EngineError, KvguardError
+from pytest_kvguard.core.errors import KvguardError
 from pytest_kvguard.inputs.gguf_header import GgufHeader, read_gguf_header
 from pytest_kvguard.inputs.model_folder import (
     as_bool,
@@ -243,54 +243,3 @@ def _file_type(value: Any) -> str | None:
     except ValueError:
         return f"file type {value}"
     return name.removeprefix("MOSTLY_").removeprefix("ALL_")
-
-
-CHAT_TOKENS = 200
-
-
-def chat_token_line(before: ModelFacts, after: ModelFacts, count: int = CHAT_TOKENS) -> str | None:
-    """Where the bundled chat's ids, as llama-cpp-python's chat call makes them for each model
-    (its template, the generation prompt, special tokens parsed), first differ in their first
-    ``count`` tokens (compared as text, since two vocabularies number tokens differently);
-    None where that cannot be told here."""
-    paths = (before.path, after.path)
-    if count <= 0 or not all(p.is_file() for p in paths):
-        return None
-    from pytest_kvguard.inputs.chats import (
-        DEFAULT_CHAT,
-        NoChatTemplate,
-        history,
-        load_conversation,
-    )
-
-    label = f"{DEFAULT_CHAT} chat, first {count} tokens of the chat call"
-    try:
-        from pytest_kvguard.engines.gguf_vocab import GgufVocab
-    except ImportError:  # llama-cpp-python is optional
-        return None
-    except (RuntimeError, OSError) as exc:  # installed, but its library does not load
-        return f"{label}: not compared (llama-cpp-python does not load: {exc})"
-    messages = history(load_conversation(DEFAULT_CHAT, Path.cwd()))
-    pieces = []
-    try:
-        for path in paths:
-            vocab = GgufVocab(path)
-            ids = vocab.chat_ids(messages)
-            pieces.append([vocab.token_piece(t) for t in ids])
-    except NoChatTemplate:
-        return f"{label}: not compared ({path.name} carries no chat template)"
-    except EngineError as exc:  # a file with no usable vocabulary still has its facts
-        return f"{label}: not compared ({exc})"
-    first, second = (p[:count] for p in pieces)
-    if first == second:
-        return f"{label}: the same"
-    at = next((i for i, (x, y) in enumerate(zip(first, second, strict=False)) if x != y), None)
-    if at is None:
-        return f"{label}: one is a prefix of the other ({len(first)} and {len(second)} tokens)"
-    differ = sum(x != y for x, y in zip(first, second, strict=False)) + abs(
-        len(first) - len(second)
-    )
-    return (
-        f"{label}: {differ} positions differ, the first at token {at}: "
-        f"{first[at]!r} -> {second[at]!r}"
-    )

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.core.errors import KvguardError
 from pytest_kvguard.inputs.models import file_sha256
 
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.core.errors import KvguardError
+from pytest_kvguard.core.paths import cached_per_file, resolve_under
 from pytest_kvguard.inputs.gguf_header import GgufHeader, read_gguf_header
-from pytest_kvguard.paths import cached_per_file, resolve_under
 
 
 @dataclass(frozen=True)

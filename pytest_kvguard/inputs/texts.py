@@ -6,8 +6,8 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.paths import resolve_under
+from pytest_kvguard.core.errors import KvguardError
+from pytest_kvguard.core.paths import resolve_under
 
 DEFAULT_TEXT = "pydoc"
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from packaging.version import InvalidVersion, Version
 
-from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.core.errors import KvguardError
 
 GOOD, BAD, CRASH, UNUSABLE = "good", "bad", "crash", "unusable"
 """A release's outcome: every picked check passed (or caught what it expects); one did not;

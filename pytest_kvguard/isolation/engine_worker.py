@@ -25,7 +25,7 @@ from multiprocessing.connection import Connection
 
 def serve(receive: Connection, send: Connection) -> None:
     from pytest_kvguard import engines, scenarios
-    from pytest_kvguard.errors import KvguardError
+    from pytest_kvguard.core.errors import KvguardError
     from pytest_kvguard.gate.faults import inject
     from pytest_kvguard.gate.runner import Runner, run_check
     from pytest_kvguard.isolation.workers import WorkerSetup

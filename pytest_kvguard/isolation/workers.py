@@ -31,8 +31,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import IO, Any
 
+from pytest_kvguard.core.errors import KvguardError
 from pytest_kvguard.engines import ENGINES, EngineInfo, EngineOptions
-from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.gate.outcome import Outcome
 from pytest_kvguard.scenarios import SCENARIOS
 from pytest_kvguard.scenarios.base import Check

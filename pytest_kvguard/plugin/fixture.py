@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.gate.budgets import Budgets
+from pytest_kvguard.core.budgets import Budgets
+from pytest_kvguard.core.errors import KvguardError
 from pytest_kvguard.gate.checks import Written, build_check
+from pytest_kvguard.gate.engine_pythons import Environments
 from pytest_kvguard.gate.outcome import CheckError, Outcome
-from pytest_kvguard.isolation.environments import Environments
 from pytest_kvguard.isolation.workers import WorkerLost, failure_text
 from pytest_kvguard.plugin.session import ENVIRONMENTS_KEY, record, record_error, run_gated
 from pytest_kvguard.scenarios import SCENARIOS

@@ -13,12 +13,19 @@ from typing import Any
 
 import pytest
 
+from pytest_kvguard.core.budgets import Budgets
+from pytest_kvguard.core.errors import KvguardError
 from pytest_kvguard.engines import ENGINES, installed_version
 from pytest_kvguard.engines.blas import preload_openblas
-from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.engines.model_usable import check_model_usable
 from pytest_kvguard.gate.baseline import load_baseline
-from pytest_kvguard.gate.budgets import Budgets
 from pytest_kvguard.gate.budgets_file import BudgetsFile, load_budgets_file
+from pytest_kvguard.gate.engine_pythons import (
+    EVERY_ENGINE,
+    Environments,
+    engine_environments,
+    parse_assignments,
+)
 from pytest_kvguard.gate.faults import fault
 from pytest_kvguard.gate.model_preview import (
     ModelSwap,
@@ -31,14 +38,7 @@ from pytest_kvguard.gate.model_preview import (
 )
 from pytest_kvguard.gate.plot import require_matplotlib
 from pytest_kvguard.gate.runner import Runner
-from pytest_kvguard.inputs.model_usable import check_model_usable
-from pytest_kvguard.isolation.environments import (
-    EVERY_ENGINE,
-    Environments,
-    engine_environments,
-    parse_assignments,
-    version_in,
-)
+from pytest_kvguard.isolation.environments import version_in
 from pytest_kvguard.plugin.fixture import KvguardFixture
 from pytest_kvguard.plugin.items import BudgetsCollector, CheckItem
 from pytest_kvguard.plugin.options import (

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.core.errors import KvguardError
 from pytest_kvguard.gate.outcome import CheckError
 from pytest_kvguard.isolation.workers import WorkerLost, failure_text
 from pytest_kvguard.plugin.session import BUDGETS_KEY, record, record_error, run_gated

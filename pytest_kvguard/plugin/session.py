@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
+from pytest_kvguard.core.errors import KvguardError
 from pytest_kvguard.engines import EngineOptions
-from pytest_kvguard.errors import KvguardError
 from pytest_kvguard.gate.baseline import (
     Baseline,
     compare_with_baseline,
@@ -22,6 +22,7 @@ from pytest_kvguard.gate.baseline import (
     tolerances,
 )
 from pytest_kvguard.gate.budgets_file import BudgetsFile
+from pytest_kvguard.gate.engine_pythons import Environments
 from pytest_kvguard.gate.model_preview import (
     FactsDiff,
     ModelSwap,
@@ -31,7 +32,6 @@ from pytest_kvguard.gate.model_preview import (
 )
 from pytest_kvguard.gate.outcome import CheckError, Outcome
 from pytest_kvguard.gate.runner import Runner
-from pytest_kvguard.isolation.environments import Environments
 from pytest_kvguard.isolation.workers import WorkerPool, failure_text
 from pytest_kvguard.scenarios import SCENARIOS
 from pytest_kvguard.scenarios.base import Check

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.core.errors import KvguardError
 from pytest_kvguard.inputs.texts import load_text
 from pytest_kvguard.scenarios.attention import (
     PARAMS,

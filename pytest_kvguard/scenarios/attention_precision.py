@@ -7,10 +7,10 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from pytest_kvguard.core.budgets import Budgets
+from pytest_kvguard.core.errors import KvguardError
+from pytest_kvguard.core.policies import UNQUANTIZED_CACHE_TYPES, Policy, make_policy
 from pytest_kvguard.engines.support import check_kv_precision
-from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.gate.budgets import Budgets
-from pytest_kvguard.gate.policies import UNQUANTIZED_CACHE_TYPES, Policy, make_policy
 from pytest_kvguard.scenarios.base import KV_PRECISION, Fields
 
 

@@ -15,6 +15,9 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
+from pytest_kvguard.core.budgets import Budgets
+from pytest_kvguard.core.errors import KvguardError
+from pytest_kvguard.core.policies import DEFAULT_CHECKPOINT_STEP, POLICY_KINDS, Policy, make_policy
 from pytest_kvguard.engines import (
     Engine,
     check_chunk,
@@ -22,9 +25,6 @@ from pytest_kvguard.engines import (
     check_policy_kind,
     engine_info,
 )
-from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.gate.budgets import Budgets
-from pytest_kvguard.gate.policies import DEFAULT_CHECKPOINT_STEP, POLICY_KINDS, Policy, make_policy
 from pytest_kvguard.inputs.models import ModelRef
 from pytest_kvguard.inputs.texts import DEFAULT_TEXT, Text, load_text
 from pytest_kvguard.scenarios.feeding import StreamRun

@@ -19,15 +19,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from pytest_kvguard.core.budgets import Budgets
+from pytest_kvguard.core.errors import KvguardError
+from pytest_kvguard.core.policies import DEFAULT_CHECKPOINT_STEP, Policy
+from pytest_kvguard.core.units import mib
 from pytest_kvguard.engines import (
     API_STATES,
     Prompt,
     ReusesThroughApi,
     engine_info,
 )
-from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.gate.budgets import Budgets
-from pytest_kvguard.gate.policies import DEFAULT_CHECKPOINT_STEP, Policy
 from pytest_kvguard.inputs.chats import (
     BUNDLED_TEMPLATES,
     DEFAULT_CHAT,
@@ -49,7 +50,6 @@ from pytest_kvguard.scenarios.base import (
     Scenario,
 )
 from pytest_kvguard.scenarios.replaying import run_edit_replay
-from pytest_kvguard.units import mib
 
 VIA = {
     "api": "the engine's user-facing API decides the reuse: llama-cpp-python's Llama, mlx-lm's "

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pytest_kvguard.core.policies import Policy
+from pytest_kvguard.core.scoring import nll_of
 from pytest_kvguard.engines import Engine, GroupsStreams, Stream, StreamGroup
-from pytest_kvguard.gate.policies import Policy
-from pytest_kvguard.scoring import nll_of
 
 PREFILL_CHUNK = 256
 """Tokens decoded per call while no eviction is due; ``policy.chunk`` at a time once it is."""

@@ -22,11 +22,11 @@ from typing import Any
 
 import numpy as np
 
+from pytest_kvguard.core.budgets import Budgets
+from pytest_kvguard.core.errors import KvguardError
+from pytest_kvguard.core.policies import Policy
 from pytest_kvguard.engines import ReportsShifts, check_chunk, engine_info
 from pytest_kvguard.engines.conversation import plan_turns
-from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.gate.budgets import Budgets
-from pytest_kvguard.gate.policies import Policy
 from pytest_kvguard.inputs.models import ModelRef
 from pytest_kvguard.inputs.texts import Text, load_text
 from pytest_kvguard.scenarios.base import (

@@ -1,8 +1,8 @@
 """Scenario ``memory``: KV bytes at several context lengths, measured against the prediction.
 
 One stream run under the policy, fed exactly as the ``stream`` scenario feeds it, records the
-engine's own figures at each length; ``capacity.predict_engine_kv_bytes`` says what the policy
-should hold there. A measured figure far above the prediction means the engine kept more than
+engine's own figures at each length; ``engines.kv_size.predict_engine_kv_bytes`` says what the
+policy should hold there. A measured figure far above the prediction means the engine kept more than
 the policy allows: the cap or the window was not applied.
 """
 
@@ -12,10 +12,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pytest_kvguard.cli.capacity import load_arch, predict_engine_kv_bytes, rotating_capacity
-from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.gate.budgets import Budgets
-from pytest_kvguard.gate.policies import Policy
+from pytest_kvguard.core.budgets import Budgets
+from pytest_kvguard.core.errors import KvguardError
+from pytest_kvguard.core.policies import Policy
+from pytest_kvguard.core.units import format_size
+from pytest_kvguard.engines.kv_size import predict_engine_kv_bytes, rotating_capacity
+from pytest_kvguard.inputs.architecture import load_arch
 from pytest_kvguard.inputs.models import ModelArch
 from pytest_kvguard.inputs.texts import load_text
 from pytest_kvguard.scenarios.base import (
@@ -39,7 +41,6 @@ from pytest_kvguard.scenarios.base import (
 from pytest_kvguard.scenarios.extras import kv_bytes_panels
 from pytest_kvguard.scenarios.feeding import StreamRun, chunks, growth_metric
 from pytest_kvguard.scenarios.validate import ascending_counts, check_bounded_run, require_text_room
-from pytest_kvguard.units import format_size
 
 DEFAULT_LENGTHS = (512, 1024, 2048, 4096)
 NOT_APPLIED_RATIO = 1.5

@@ -11,7 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from pytest_kvguard.gate.policies import make_policy
+from pytest_kvguard.core.policies import make_policy
+from pytest_kvguard.core.scoring import perplexity
 from pytest_kvguard.inputs.texts import load_text
 from pytest_kvguard.scenarios.base import (
     TEXT,
@@ -24,7 +25,6 @@ from pytest_kvguard.scenarios.base import (
 )
 from pytest_kvguard.scenarios.feeding import StreamRun
 from pytest_kvguard.scenarios.validate import require_text_room, require_two_engines
-from pytest_kvguard.scoring import perplexity
 
 
 @dataclass(frozen=True)

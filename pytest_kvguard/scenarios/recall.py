@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 
+from pytest_kvguard.core.budgets import Budgets
+from pytest_kvguard.core.errors import KvguardError
+from pytest_kvguard.core.policies import Policy, make_policy
 from pytest_kvguard.engines import Engine
-from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.gate.budgets import Budgets
-from pytest_kvguard.gate.policies import Policy, make_policy
 from pytest_kvguard.inputs.models import ModelRef
 from pytest_kvguard.inputs.texts import DEFAULT_TEXT, Text, load_text
 from pytest_kvguard.scenarios.base import (

@@ -11,6 +11,9 @@ from typing import Any
 
 import numpy as np
 
+from pytest_kvguard.core.errors import EngineError
+from pytest_kvguard.core.policies import Policy
+from pytest_kvguard.core.scoring import floor_cuts, reuse_gap
 from pytest_kvguard.engines import (
     Engine,
     PrefixCache,
@@ -19,10 +22,7 @@ from pytest_kvguard.engines import (
     ReusesThroughApi,
     SnapshotsPrefix,
 )
-from pytest_kvguard.errors import EngineError
-from pytest_kvguard.gate.policies import Policy
 from pytest_kvguard.inputs.chats import common_prefix
-from pytest_kvguard.scoring import floor_cuts, reuse_gap
 
 
 @dataclass(frozen=True)

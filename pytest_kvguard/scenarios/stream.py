@@ -12,11 +12,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pytest_kvguard.cli.capacity import load_arch
+from pytest_kvguard.core.budgets import Budgets
+from pytest_kvguard.core.errors import EngineRefusal, KvguardError
+from pytest_kvguard.core.policies import Policy
+from pytest_kvguard.core.scoring import perplexity
+from pytest_kvguard.core.units import format_size
 from pytest_kvguard.engines import check_chunk
-from pytest_kvguard.errors import EngineRefusal, KvguardError
-from pytest_kvguard.gate.budgets import Budgets
-from pytest_kvguard.gate.policies import Policy
+from pytest_kvguard.inputs.architecture import load_arch
 from pytest_kvguard.inputs.texts import Text, load_text
 from pytest_kvguard.scenarios.attention import explain_sinks
 from pytest_kvguard.scenarios.base import (
@@ -47,8 +49,6 @@ from pytest_kvguard.scenarios.extras import (
 from pytest_kvguard.scenarios.feeding import StreamRun, growth_metric
 from pytest_kvguard.scenarios.memory import NOT_APPLIED_RATIO, kv_bytes_predictor
 from pytest_kvguard.scenarios.validate import check_bounded_run, require_text_room
-from pytest_kvguard.scoring import perplexity
-from pytest_kvguard.units import format_size
 
 UNQUANTIZED = "unquantized"
 """The baseline that is the candidate's own policy at the engine's default KV precision: the

@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
+from pytest_kvguard.core.errors import KvguardError
+from pytest_kvguard.core.policies import Policy, make_policy
 from pytest_kvguard.engines import check_chunk, check_policy
-from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.gate.policies import Policy, make_policy
 from pytest_kvguard.inputs.texts import Text, load_text
 from pytest_kvguard.scenarios.attention import explain_sinks
 from pytest_kvguard.scenarios.base import (

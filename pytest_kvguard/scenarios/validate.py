@@ -3,9 +3,9 @@ says, with an error keyed to the setting."""
 
 from __future__ import annotations
 
-from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.gate.budgets import Budgets
-from pytest_kvguard.gate.policies import Policy
+from pytest_kvguard.core.budgets import Budgets
+from pytest_kvguard.core.errors import KvguardError
+from pytest_kvguard.core.policies import Policy
 from pytest_kvguard.scenarios.base import Fields
 
 

@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Any
 import llama_cpp as lc
 import numpy as np
 
+from pytest_kvguard.core.errors import EngineError
+from pytest_kvguard.core.policies import Policy
 from pytest_kvguard.engines.gguf_vocab import chat_handler
 from pytest_kvguard.engines.llama_cpp.context import UBATCH
 from pytest_kvguard.engines.llama_cpp.prefix_cache import window_missing
 from pytest_kvguard.engines.protocols import Prompt, Reuse
-from pytest_kvguard.errors import EngineError
-from pytest_kvguard.gate.policies import Policy
 
 if TYPE_CHECKING:
     from pytest_kvguard.engines.llama_cpp.engine import LlamaCppEngine

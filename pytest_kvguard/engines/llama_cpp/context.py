@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any
 import llama_cpp as lc
 import numpy as np
 
+from pytest_kvguard.core.errors import EngineError
+from pytest_kvguard.core.policies import UNQUANTIZED_CACHE_TYPES
 from pytest_kvguard.engines.buffer_sizes import buffer_mib
 from pytest_kvguard.engines.llama_log import captured_log, log_excerpt
-from pytest_kvguard.errors import EngineError
-from pytest_kvguard.gate.policies import UNQUANTIZED_CACHE_TYPES
 
 if TYPE_CHECKING:
     from pytest_kvguard.engines.llama_cpp.engine import LlamaCppEngine

@@ -12,6 +12,8 @@ from typing import Any
 import llama_cpp as lc
 import numpy as np
 
+from pytest_kvguard.core.errors import EngineError
+from pytest_kvguard.core.policies import Policy
 from pytest_kvguard.engines import gguf_vocab
 from pytest_kvguard.engines.buffer_sizes import buffer_mib
 from pytest_kvguard.engines.conversation import Turn, converse_through_stream
@@ -24,8 +26,6 @@ from pytest_kvguard.engines.llama_cpp.stream import LlamaCppStream
 from pytest_kvguard.engines.llama_log import captured_log, init_backend, log_excerpt
 from pytest_kvguard.engines.options import EngineOptions
 from pytest_kvguard.engines.protocols import API_STATES, AttentionRows
-from pytest_kvguard.errors import EngineError
-from pytest_kvguard.gate.policies import Policy
 from pytest_kvguard.inputs.chats import ChatTemplate
 
 

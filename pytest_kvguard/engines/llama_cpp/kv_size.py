@@ -5,9 +5,9 @@ llama.cpp's iSWA cache holds ``pad256(window x n_seq + n_ubatch)`` cells in each
 
 from __future__ import annotations
 
+from pytest_kvguard.core.errors import KvguardError
+from pytest_kvguard.core.policies import LLAMA_CACHE_TYPES, Policy
 from pytest_kvguard.engines.kv_size import layer_bytes
-from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.gate.policies import LLAMA_CACHE_TYPES, Policy
 from pytest_kvguard.inputs.models import ModelArch
 
 

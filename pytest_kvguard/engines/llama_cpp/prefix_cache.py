@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING
 import llama_cpp as lc
 import numpy as np
 
+from pytest_kvguard.core.errors import EngineError, KvguardError
+from pytest_kvguard.core.policies import Policy
+from pytest_kvguard.core.scoring import nll_of
 from pytest_kvguard.engines.llama_cpp.context import SEQ, UBATCH, CacheSequence
-from pytest_kvguard.errors import EngineError, KvguardError
-from pytest_kvguard.gate.policies import Policy
-from pytest_kvguard.scoring import nll_of
 
 if TYPE_CHECKING:
     from pytest_kvguard.engines.llama_cpp.engine import LlamaCppEngine

@@ -107,7 +107,7 @@ def write(args: argparse.Namespace) -> dict[str, Any]:
 def read(args: argparse.Namespace) -> dict[str, Any]:
     import numpy as np
 
-    from pytest_kvguard.scoring import floor_cuts, reuse_gap
+    from pytest_kvguard.core.scoring import floor_cuts, reuse_gap
 
     chat = Chat(args)
     path = Path(args.file)

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 import llama_cpp as lc
 import numpy as np
 
+from pytest_kvguard.core.errors import EngineError
+from pytest_kvguard.core.policies import Policy
 from pytest_kvguard.engines.llama_cpp.context import SEQ, UBATCH, CacheSequence, Context
-from pytest_kvguard.errors import EngineError
-from pytest_kvguard.gate.policies import Policy
 
 if TYPE_CHECKING:
     from pytest_kvguard.engines.llama_cpp.engine import LlamaCppEngine

@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any  # noqa: E402
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
+from pytest_kvguard.core.errors import EngineError, KvguardError  # noqa: E402
+from pytest_kvguard.core.policies import Policy  # noqa: E402
+from pytest_kvguard.core.scoring import nll_of  # noqa: E402
 from pytest_kvguard.engines.mlx.caches import cache_nbytes, make_caches  # noqa: E402
 from pytest_kvguard.engines.protocols import Prompt, Reuse  # noqa: E402
-from pytest_kvguard.errors import EngineError, KvguardError  # noqa: E402
-from pytest_kvguard.gate.policies import Policy  # noqa: E402
-from pytest_kvguard.scoring import nll_of  # noqa: E402
 
 if TYPE_CHECKING:
     from pytest_kvguard.engines.mlx.engine import MlxEngine

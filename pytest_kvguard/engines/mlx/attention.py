@@ -28,10 +28,10 @@ import numpy as np  # noqa: E402
 from mlx_lm.generate import maybe_quantize_kv_cache  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
+from pytest_kvguard.core.errors import EngineError  # noqa: E402
+from pytest_kvguard.core.policies import Policy  # noqa: E402
 from pytest_kvguard.engines.mlx.caches import eval_caches  # noqa: E402
 from pytest_kvguard.engines.protocols import AttentionRows  # noqa: E402
-from pytest_kvguard.errors import EngineError  # noqa: E402
-from pytest_kvguard.gate.policies import Policy  # noqa: E402
 
 CHUNK = 512
 """Tokens per forward call while filling the cache (as llama.cpp's batch)."""

@@ -21,8 +21,8 @@ from mlx_lm.models.cache import (  # noqa: E402
     make_prompt_cache,
 )
 
-from pytest_kvguard.errors import KvguardError  # noqa: E402
-from pytest_kvguard.gate.policies import Policy  # noqa: E402
+from pytest_kvguard.core.errors import KvguardError  # noqa: E402
+from pytest_kvguard.core.policies import Policy  # noqa: E402
 
 
 def eval_caches(caches: Sequence[Any]) -> None:

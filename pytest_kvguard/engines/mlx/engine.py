@@ -24,6 +24,8 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx_lm.models.cache import RotatingKVCache  # noqa: E402
 
+from pytest_kvguard.core.errors import EngineError, KvguardError  # noqa: E402
+from pytest_kvguard.core.policies import Policy  # noqa: E402
 from pytest_kvguard.engines.conversation import Turn  # noqa: E402
 from pytest_kvguard.engines.mlx.api_cache import MlxApiCache, api_calls  # noqa: E402
 from pytest_kvguard.engines.mlx.attention import read_attention  # noqa: E402
@@ -32,8 +34,6 @@ from pytest_kvguard.engines.mlx.gguf import load_gguf_model  # noqa: E402
 from pytest_kvguard.engines.mlx.stream import MlxPrefixCache, MlxStream, MlxStreamGroup  # noqa: E402
 from pytest_kvguard.engines.options import EngineOptions  # noqa: E402
 from pytest_kvguard.engines.protocols import AttentionRows  # noqa: E402
-from pytest_kvguard.errors import EngineError, KvguardError  # noqa: E402
-from pytest_kvguard.gate.policies import Policy  # noqa: E402
 from pytest_kvguard.inputs.chats import ChatTemplate, NoChatTemplate  # noqa: E402
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.core.errors import KvguardError
 from pytest_kvguard.inputs.gguf_header import read_gguf_header
 
 LAYER_NAMES = {

@@ -8,8 +8,8 @@ chunked path appends the whole chunk to the ``max_size - 1`` newest keys).
 
 from __future__ import annotations
 
+from pytest_kvguard.core.policies import Policy
 from pytest_kvguard.engines.kv_size import layer_bytes
-from pytest_kvguard.gate.policies import Policy
 from pytest_kvguard.inputs.models import ModelArch
 
 MLX_STEP = 256

@@ -94,8 +94,8 @@ class Chat:
         self.cached = self.followup[: common_prefix(first.ids, self.followup)]
 
     def new_caches(self, kind: str, cap: int, sinks: int) -> list[Any]:
+        from pytest_kvguard.core.policies import Policy
         from pytest_kvguard.engines.mlx.caches import make_caches
-        from pytest_kvguard.gate.policies import Policy
 
         policy = {
             "plain": Policy("full"),
@@ -190,7 +190,7 @@ def read(args: argparse.Namespace) -> dict[str, Any]:
     chat = Chat(args.model, args.messages, args.reply_tokens, args.chat_template)  # BLAS first
     from mlx_lm.models.cache import load_prompt_cache
 
-    from pytest_kvguard.scoring import reuse_gap
+    from pytest_kvguard.core.scoring import reuse_gap
 
     path = Path(args.file)
     result: dict[str, Any] = {

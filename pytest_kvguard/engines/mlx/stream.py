@@ -20,15 +20,15 @@ from mlx_lm.models.cache import (  # noqa: E402
     trim_prompt_cache,
 )
 
+from pytest_kvguard.core.errors import EngineError, EngineRefusal  # noqa: E402
+from pytest_kvguard.core.policies import Policy  # noqa: E402
+from pytest_kvguard.core.scoring import nll_of  # noqa: E402
 from pytest_kvguard.engines.mlx.caches import (  # noqa: E402
     cache_nbytes,
     cache_size,
     eval_caches,
     make_caches,
 )
-from pytest_kvguard.errors import EngineError, EngineRefusal  # noqa: E402
-from pytest_kvguard.gate.policies import Policy  # noqa: E402
-from pytest_kvguard.scoring import nll_of  # noqa: E402
 
 if TYPE_CHECKING:
     from pytest_kvguard.engines.mlx.engine import MlxEngine

@@ -32,6 +32,8 @@ from typing import Any
 
 import numpy as np
 
+from pytest_kvguard.core.errors import EngineError, KvguardError
+from pytest_kvguard.core.policies import Policy
 from pytest_kvguard.engines.conversation import Turn
 from pytest_kvguard.engines.options import EngineOptions
 from pytest_kvguard.engines.served.process import (
@@ -47,8 +49,6 @@ from pytest_kvguard.engines.served.process import (
     seconds_from_env,
 )
 from pytest_kvguard.engines.served.server_cache import SLOT, ServerPrefixCache
-from pytest_kvguard.errors import EngineError, KvguardError
-from pytest_kvguard.gate.policies import Policy
 from pytest_kvguard.inputs.chats import ChatTemplate, NoChatTemplate
 from pytest_kvguard.inputs.models import gguf_chat_template, is_url
 

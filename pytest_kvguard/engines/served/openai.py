@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from pytest_kvguard.core.errors import EngineError, KvguardError
+from pytest_kvguard.core.policies import Policy
 from pytest_kvguard.engines.options import EngineOptions
 from pytest_kvguard.engines.protocols import Prompt, Reuse
 from pytest_kvguard.engines.served.process import (
@@ -37,8 +39,6 @@ from pytest_kvguard.engines.served.process import (
     own_template,
     seconds_from_env,
 )
-from pytest_kvguard.errors import EngineError, KvguardError
-from pytest_kvguard.gate.policies import Policy
 from pytest_kvguard.inputs.chats import ChatTemplate
 
 CACHE_REPORT_FLAGS = {

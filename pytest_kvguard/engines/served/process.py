@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from pytest_kvguard.core.errors import EngineError, KvguardError
 from pytest_kvguard.engines.options import EngineOptions
-from pytest_kvguard.errors import EngineError, KvguardError
 
 BINARY_ENV = "KVGUARD_LLAMA_SERVER"
 """Path to the llama-server binary (default: next to the running Python, then PATH)."""

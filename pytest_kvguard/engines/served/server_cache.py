@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pytest_kvguard.core.errors import EngineError
 from pytest_kvguard.engines.buffer_sizes import buffer_mib
 from pytest_kvguard.engines.protocols import Prompt, Reuse
 from pytest_kvguard.engines.served.process import ServerSettings, field
-from pytest_kvguard.errors import EngineError
 
 if TYPE_CHECKING:
     from pytest_kvguard.engines.served.llama_server import LlamaServerEngine

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.core.errors import KvguardError
 
 POLICY_KINDS = {
     "full": "keep every token (the reference)",

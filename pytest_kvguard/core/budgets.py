@@ -14,8 +14,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from pytest_kvguard.errors import KvguardError
-from pytest_kvguard.units import SIZE_SUFFIXES, format_value, parse_size
+from pytest_kvguard.core.errors import KvguardError
+from pytest_kvguard.core.units import SIZE_SUFFIXES, format_value, parse_size
 
 
 def _limit(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pytest_kvguard.errors import KvguardError
+from pytest_kvguard.core.errors import KvguardError
 
 SIZE_UNITS = {
     "B": 1,

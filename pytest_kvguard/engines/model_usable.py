@@ -1,21 +1,23 @@
 """Whether a check's model is one its engines can load, told before any run where kvguard can
 tell without loading weights: a GGUF file's header (magic, version, tensors within the file),
 a model folder's config and tokenizer files, and the architecture against what each engine
-declares it loads (``EngineInfo.gguf_architectures``) or, for llama.cpp in this process,
-what its library knows (a vocabulary-only load, which reads the architecture first).
+declares it loads (``EngineInfo.gguf_architectures``) or, where the adapter has an
+``architecture_probe`` and runs in this process, what its library says (llama.cpp: a
+vocabulary-only load, which reads the architecture first).
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
 from pathlib import Path
 
-from pytest_kvguard.engines import ENGINES, installed_version
-from pytest_kvguard.errors import EngineError, KvguardError
+from pytest_kvguard.core.errors import EngineError, KvguardError
+from pytest_kvguard.core.paths import cached_per_file
+from pytest_kvguard.engines.registry import ENGINES, installed_version
 from pytest_kvguard.inputs.gguf_header import read_gguf_header
 from pytest_kvguard.inputs.model_folder import folder_facts
 from pytest_kvguard.inputs.models import ModelRef
-from pytest_kvguard.paths import cached_per_file
 
 UNKNOWN_ARCHITECTURE = "unknown model architecture"
 """What llama.cpp's loader logs for an architecture it does not implement."""
@@ -47,19 +49,23 @@ def check_model_usable(model: ModelRef, engines: Sequence[str], here: Sequence[s
                 + ")",
                 fix=f"use a model of those architectures with engine {engine}, or another engine",
             )
-    if "llama_cpp" in engines and "llama_cpp" in here and model.path is not None:
-        # Bundled models are known to load; a user's file is asked of llama.cpp itself.
-        reason = _llama_cpp_refusal(path)
+    if model.path is None:
+        return  # bundled models are known to load; a user's file is asked of the engine itself
+    for engine in engines:
+        info = ENGINES[engine]
+        if info.architecture_probe is None or engine not in here:
+            continue  # another environment may have another release of the engine
+        module, _, function = info.architecture_probe.partition(":")
+        reason = getattr(importlib.import_module(module), function)(path)
         if reason is not None:
             raise KvguardError(
-                f"{path}: llama-cpp-python {installed_version('llama_cpp')} cannot load it: "
-                f"{reason}",
-                fix="upgrade llama-cpp-python to a release that knows this architecture",
+                f"{path}: {info.distribution} {installed_version(engine)} cannot load it: {reason}",
+                fix=f"upgrade {info.distribution} to a release that knows this architecture",
             )
 
 
 @cached_per_file
-def _llama_cpp_refusal(path: Path) -> str | None:
+def llama_cpp_refusal(path: Path) -> str | None:
     """llama.cpp's refusal of the file's architecture, or None (it knows it, or the loader
     failed for another reason, which the check's run reports with the engine's own words)."""
     try:
