@@ -1,6 +1,8 @@
 """The engine adapters kvguard knows: how to find, install and load each, what policies it
 implements per engine path, and which optional capabilities (``protocols.CAPABILITIES``) it has.
 
+Each adapter is declared once, in its own package (``llama_cpp/adapter.py``, ...), and found by
+its ``pytest_kvguard.engines`` entry point, so a third party ships an engine as its own package.
 Adapters import their engine lazily, so importing this module (and the plugin) stays cheap.
 """
 
@@ -9,7 +11,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import importlib.util
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -107,87 +109,76 @@ class EngineInfo:
     a user's GGUF file, asked before any run where the engine runs in the pytest process."""
 
 
-ENGINES: dict[str, EngineInfo] = {
-    e.name: e
-    for e in (
-        EngineInfo(
-            "llama_cpp",
-            "pytest_kvguard.engines.llama_cpp.engine",
-            "llama_cpp",
-            "llama-cpp-python",
-            'CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON '
-            '-DGGML_F16C=ON" pip install "pytest-kvguard[llama]"',
-            policies={
-                "feed": ("full", "window", "sink"),
-                "feed_unscored": ("full", "window", "sink", "swa", "swa_full"),
-                "prefix_cache": ("full", "swa", "swa_full"),
-                "api_reuse": ("full", "swa", "swa_full"),
-                "generation": ("window", "sink"),
-            },
-            max_chunk=512,
-            self_evicting=("swa",),
-            capabilities=frozenset({"reads_attention", "groups", "snapshot", "api_reuse"}),
-            kv_precision="cache_types",
-            kv_precision_paths=("feed", "attention_read"),
-            kv_size="pytest_kvguard.engines.llama_cpp.kv_size",
-            architecture_probe="pytest_kvguard.engines.model_usable:llama_cpp_refusal",
-        ),
-        EngineInfo(
-            "mlx",
-            "pytest_kvguard.engines.mlx.engine",
-            "mlx_lm",
-            "mlx-lm",
-            'pip install "pytest-kvguard[mlx]"',
-            policies={
-                "feed": ("full", "window", "sink", "swa", "engine_default"),
-                "feed_unscored": ("full", "window", "sink", "swa", "engine_default"),
-                "prefix_cache": ("full", "swa"),
-                "api_reuse": ("full", "swa"),
-                "generation": ("window", "sink", "engine_default"),
-            },
-            position_modes=("absolute",),
-            fixed_evict_step=1,
-            model_forms=("gguf", "folder", "hub"),
-            gguf_architectures=("llama", "gemma3"),  # engines/mlx/gguf.py maps these
-            capabilities=frozenset({"reads_attention", "groups", "api_reuse"}),
-            kv_precision="kv_bits",
-            kv_precision_paths=("feed", "attention_read"),
-            kv_size="pytest_kvguard.engines.mlx.kv_size",
-        ),
-        EngineInfo(
-            "llama_server",
-            "pytest_kvguard.engines.served.llama_server",
-            "pytest_kvguard",
-            "llama-server",
-            "bash .ci/install (builds llama-server into .venv/bin), or set KVGUARD_LLAMA_SERVER",
-            policies={
-                "prefix_cache": ("full", "swa", "swa_full"),
-                "generation": ("window", "sink", "engine_default"),
-            },
-            position_modes=("reindexed",),
-            model_forms=("gguf", "url"),
-            context_step=256,
-            binary=True,
-            capabilities=frozenset({"shifts", "replay"}),
-            kv_precision="cache_types",
-            kv_precision_paths=("prefix_cache", "generation"),
-        ),
-        EngineInfo(
-            "openai",
-            "pytest_kvguard.engines.served.openai",
-            "pytest_kvguard",
-            "pytest-kvguard",
-            "nothing to install: start the server (vLLM, SGLang, llama-server) and give "
-            "model: http://HOST:PORT",
-            # The server's own cache, whatever it was started with: the policy labels it.
-            policies={"prefix_cache": ("full", "swa")},
-            position_modes=("reindexed",),
-            model_forms=("url",),
-            remote=True,
-            capabilities=frozenset({"replay"}),
-        ),
+ENTRY_POINT_GROUP = "pytest_kvguard.engines"
+"""Where engine adapters are registered: an entry point whose name is the engine's and whose
+object is its ``EngineInfo`` (kvguard's own four are declared in its pyproject.toml; a third
+party's package declares its own)."""
+
+
+class EngineRegistry(MutableMapping[str, EngineInfo]):
+    """The engine adapters by name, read from the ``pytest_kvguard.engines`` entry points on
+    first use (each adapter module imports no engine, so this stays cheap). Tests and engine
+    workers add adapters as to a dict (a worker gets the pytest process's registry)."""
+
+    def __init__(self) -> None:
+        self._adapters: dict[str, EngineInfo] | None = None
+
+    def _loaded(self) -> dict[str, EngineInfo]:
+        if self._adapters is None:
+            self._adapters = _entry_point_adapters()
+        return self._adapters
+
+    def __getitem__(self, name: str) -> EngineInfo:
+        return self._loaded()[name]
+
+    def __setitem__(self, name: str, info: EngineInfo) -> None:
+        self._loaded()[name] = info
+
+    def __delitem__(self, name: str) -> None:
+        del self._loaded()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._loaded())
+
+    def __len__(self) -> int:
+        return len(self._loaded())
+
+
+def _entry_point_adapters() -> dict[str, EngineInfo]:
+    """Every registered adapter, kvguard's own first; one that does not load, or is not an
+    ``EngineInfo`` of its own name, is refused naming its distribution."""
+    found = sorted(
+        importlib.metadata.entry_points(group=ENTRY_POINT_GROUP),
+        key=lambda e: (e.value.split(".")[0] != "pytest_kvguard", e.name),
     )
-}
+    adapters: dict[str, EngineInfo] = {}
+    for entry in found:
+        where = f"entry point {ENTRY_POINT_GROUP}:{entry.name} = {entry.value}"
+        dist = entry.dist.name if entry.dist is not None else "its distribution"
+        try:
+            info = entry.load()
+        except Exception as exc:  # noqa: BLE001 - a third party's import error, said in one line
+            raise KvguardError(
+                f"{where} does not load: {type(exc).__name__}: {exc}",
+                fix=f"fix or uninstall {dist}",
+            ) from None
+        if not isinstance(info, EngineInfo) or info.name != entry.name:
+            raise KvguardError(
+                f"{where} is not the EngineInfo of an engine named '{entry.name}'",
+                fix=f"point it at an EngineInfo(name='{entry.name}', ...) in {dist}",
+            )
+        if entry.name in adapters:
+            continue  # the same distribution seen twice on sys.path (an editable install)
+        adapters[entry.name] = info
+    if not adapters:
+        raise KvguardError(
+            f"no engine adapters registered (entry points {ENTRY_POINT_GROUP})",
+            fix="install pytest-kvguard as a package (pip install -e .), not only on PYTHONPATH",
+        )
+    return adapters
+
+
+ENGINES = EngineRegistry()
 
 
 def engine_info(name: str) -> EngineInfo:

@@ -123,7 +123,7 @@ PATH_SCENARIOS = {
     "feed_unscored": "memory checks",
     "prefix_cache": "edit_replay checks",
     "generation": "generate checks",
-    "attention_read": "attention checks",
+    "reads_attention": "attention checks",
 }
 """Which checks an engine path's KV precision settings reach, for messages."""
 

@@ -23,7 +23,7 @@ def precision_of(fields: Fields) -> Policy | None:
     policy = make_policy("full", **given)
     if not policy.precision_set:
         return None
-    check_kv_precision(fields.engine, policy, "attention_read", "attention")
+    check_kv_precision(fields.engine, policy, "reads_attention", "attention")
     if policy.cache_type_v not in UNQUANTIZED_CACHE_TYPES:
         raise KvguardError(
             f"attention reads llama.cpp's probabilities with flash attention off, and a "

@@ -1,0 +1,30 @@
+"""The mlx-lm adapter's declaration, registered under the
+``pytest_kvguard.engines`` entry point (pyproject.toml) and read by ``engines.registry``.
+Imports no engine."""
+
+from __future__ import annotations
+
+from pytest_kvguard.engines.registry import EngineInfo
+
+ADAPTER = EngineInfo(
+    "mlx",
+    "pytest_kvguard.engines.mlx.engine",
+    "mlx_lm",
+    "mlx-lm",
+    'pip install "pytest-kvguard[mlx]"',
+    policies={
+        "feed": ("full", "window", "sink", "swa", "engine_default"),
+        "feed_unscored": ("full", "window", "sink", "swa", "engine_default"),
+        "prefix_cache": ("full", "swa"),
+        "api_reuse": ("full", "swa"),
+        "generation": ("window", "sink", "engine_default"),
+    },
+    position_modes=("absolute",),
+    fixed_evict_step=1,
+    model_forms=("gguf", "folder", "hub"),
+    gguf_architectures=("llama", "gemma3"),  # engines/mlx/gguf.py maps these
+    capabilities=frozenset({"reads_attention", "groups", "api_reuse"}),
+    kv_precision="kv_bits",
+    kv_precision_paths=("feed", "reads_attention"),
+    kv_size="pytest_kvguard.engines.mlx.kv_size",
+)
