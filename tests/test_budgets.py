@@ -56,8 +56,9 @@ def test_bad_budget_values(bad: object) -> None:
 def test_marker_signature_is_keyword_only_and_strict() -> None:
     with pytest.raises(TypeError):
         kv_budget(20)  # type: ignore[misc]
-    with pytest.raises(TypeError, match="max_ppl_increse_pct"):
-        kv_budget(max_ppl_increse_pct=20)  # type: ignore[call-arg]
+    with pytest.raises(KvguardError, match="unknown budget 'max_ppl_increse_pct'") as caught:
+        kv_budget(max_ppl_increse_pct=20)
+    assert (caught.value.fix or "").startswith("did you mean 'max_ppl_increase_pct'?")
 
 
 def test_describe_is_compact() -> None:

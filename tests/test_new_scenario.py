@@ -1,7 +1,9 @@
-"""A scenario written the way a newcomer would add one: a Scenario subclass and a registry entry.
+"""A scenario written the way a newcomer would add one: a Scenario subclass, with a budget of its
+own, and a registry entry.
 
-Nothing else changes: the budgets file, the fixture, the table, the JSON report and its schema
-all take the new scenario from the registry (the toy engine stands in for a real one).
+Nothing else changes: the budgets file, the marker, the fixture, the table, the JSON report and
+its schema all take the new scenario and its budget from the registry (the toy engine stands in
+for a real one).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from typing import Any
 import pytest
 
 import pytest_kvguard
+from pytest_kvguard.core.budgets import Budgets, Limit
+from pytest_kvguard.core.errors import KvguardError
 from pytest_kvguard.core.policies import Policy
 from pytest_kvguard.inputs.texts import load_text
 from pytest_kvguard.scenarios import SCENARIOS
@@ -30,6 +34,7 @@ from pytest_kvguard.scenarios.base import (
     Panel,
     Scenario,
 )
+from pytest_kvguard.scenarios.limits import MAX_KV_ENTRIES
 from pytest_kvguard.scenarios.validate import require_text_room
 
 pytestmark = pytest.mark.usefixtures("fake_engine")
@@ -47,13 +52,21 @@ class FillDetail:
     held: int
 
 
+MAX_UNHELD_TOKENS = Limit(
+    "max_unheld_tokens", "unheld_tokens", "max", " tokens", "unheld",
+    "tokens fed that the cache no longer holds",
+    "fill: tokens fed minus the KV entries held at the end.",
+)  # fmt: skip
+"""A budget no bundled scenario has: declared by the scenario that judges it, nowhere else."""
+
+
 class FillScenario(Scenario[FillSpec]):
     """Feed ``tokens`` without scoring; report the KV entries held."""
 
     name = "fill"
     summary = "feed tokens without scoring and count what the cache holds"
     params = (TOKENS, CAP, TEXT)
-    budgets = ("max_kv_entries",)
+    limits = (MAX_KV_ENTRIES, MAX_UNHELD_TOKENS)
     detail_type = FillDetail
 
     def build(self, fields: Fields) -> FillSpec:
@@ -69,7 +82,8 @@ class FillScenario(Scenario[FillSpec]):
                                   score=False)  # fmt: skip
         return Measured(
             policy=spec.policy.describe(), tokens=spec.tokens, text=text,
-            metrics={"kv_entries": float(run.kv_entries)},
+            metrics={"kv_entries": float(run.kv_entries),
+                     "unheld_tokens": float(spec.tokens - run.kv_entries)},
             seconds={"run": run.seconds if new else 0.0},
             tokens_per_second=run.tokens_per_second, detail=FillDetail(run.kv_entries),
         )  # fmt: skip
@@ -108,13 +122,14 @@ def test_a_new_scenario_runs_from_yaml_and_the_fixture(
         ".yaml",
         budgets="version: 1\ndefaults: {engine: fake, model: tiny.gguf}\nchecks:\n"
         "  - name: fill-window\n    scenario: fill\n    policy: window\n"
-        "    params: {cap: 64, tokens: 300}\n    budgets: {max_kv_entries: 64}\n",
+        "    params: {cap: 64, tokens: 300}\n"
+        "    budgets: {max_kv_entries: 64, max_unheld_tokens: 236}\n",
     )
     gate.makepyfile(
         """
 import pytest
 
-@pytest.mark.kv_budget(max_kv_entries=300)
+@pytest.mark.kv_budget(max_kv_entries=300, max_unheld_tokens=0)
 def test_fill(kvguard):
     outcome = kvguard.fill(engine="fake", model="tiny.gguf", policy="full", tokens=300)
     assert outcome.detail.held == 300
@@ -124,12 +139,41 @@ def test_fill(kvguard):
     result = gate.runpytest("--kvguard", "budgets.yaml", test_file, "--kvguard-json", "r.json")
     result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines(["check * policy * tokens * held * budget * verdict",
-                                 "fill-window * window/64 * 300 * 64 * kv<=64 * PASS"])  # fmt: skip
+                                 "fill-window * window/64 * 300 * 64 * kv<=64, unheld<=236 * PASS"])  # fmt: skip
     import jsonschema
 
     report = json.loads((gate.path / "r.json").read_text())
     jsonschema.validate(report, report_schema())
     assert {c["detail"]["held"] for c in report["checks"]} == {64, 300}
+    assert {c["metrics"]["unheld_tokens"] for c in report["checks"]} == {236.0, 0.0}
+
+
+def test_a_new_scenarios_own_budget_fails_the_check_that_breaks_it(
+    gate: pytest.Pytester, fill_registered: None
+) -> None:
+    gate.makefile(
+        ".yaml",
+        budgets="version: 1\ndefaults: {engine: fake, model: tiny.gguf}\nchecks:\n"
+        "  - name: fill-window\n    scenario: fill\n    policy: window\n"
+        "    params: {cap: 64, tokens: 300}\n    budgets: {max_unheld_tokens: 200}\n",
+    )
+    result = gate.runpytest("--kvguard", "budgets.yaml")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        ["*max_unheld_tokens: tokens fed that the cache no longer holds budget 200 tokens, "
+         "measured 236 tokens*"]
+    )  # fmt: skip
+
+
+def test_a_budget_only_a_registered_scenario_declares_is_known(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with pytest.raises(KvguardError, match="unknown budget 'max_unheld_tokens'"):
+        Budgets(max_unheld_tokens=1)
+    monkeypatch.setitem(SCENARIOS, "fill", FillScenario())
+    assert Budgets(max_unheld_tokens=1).max_unheld_tokens == 1
+    assert "max_unheld_tokens" in Budgets.names()
+    assert SCENARIOS["fill"].comparable_metrics == {"kv_entries": False, "unheld_tokens": False}
 
 
 def test_a_new_scenario_refuses_bad_input_like_the_others(

@@ -5,7 +5,7 @@
 ``kvguard-docs --write`` regenerates them in place. ``kvguard-scenarios`` prints the scenarios'
 own tables (what the installed version takes) and, with ``--schema``, the JSON report's schema.
 
-Every table reads its source of truth: the ``Budgets`` fields and their metadata, the scenario
+Every table reads its source of truth: the budgets the scenarios declare (``Limit``), the scenario
 registry, the engine registry, the options as ``options.add_options`` declares them, and
 ``options.ENVIRONMENT`` (whose names a test matches with what the package reads).
 """
@@ -16,11 +16,10 @@ import json
 import re
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import fields
 from pathlib import Path
 from typing import Any, cast
 
-from pytest_kvguard.core.budgets import Budgets
+from pytest_kvguard.core.budgets import known_limits
 from pytest_kvguard.core.errors import KvguardError
 from pytest_kvguard.core.policies import POLICY_KINDS, POSITION_MODES
 from pytest_kvguard.engines import ENGINES
@@ -81,15 +80,14 @@ def budgets_markdown() -> str:
         "| budget | scenarios | bound | unit | limits |",
         "|---|---|---|---|---|",
     ]
-    for f in fields(Budgets):
-        meta = f.metadata
-        scenarios = ", ".join(f"`{n}`" for n, s in SCENARIOS.items() if f.name in s.budgets)
-        unit = meta["unit"].strip() or "—"
-        if meta["bound"] != "flag" and meta["unit"].strip() in ("B", "B/token"):
+    for limit in known_limits().values():
+        scenarios = ", ".join(f"`{n}`" for n, s in SCENARIOS.items() if limit.name in s.budgets)
+        unit = limit.unit.strip() or "—"
+        if limit.bound != "flag" and limit.unit.strip() in ("B", "B/token"):
             unit += ' (or a size: `"6 MiB"`)'
         lines.append(
-            f"| `{f.name}` | {scenarios} | {BOUNDS[meta['bound']]} | {_cell(unit)} | "
-            f"{_cell(meta['doc'])} (figure `{meta['metric']}`) |"
+            f"| `{limit.name}` | {scenarios} | {BOUNDS[limit.bound]} | {_cell(unit)} | "
+            f"{_cell(limit.doc)} (figure `{limit.metric}`) |"
         )
     return "\n".join(lines) + "\n"
 

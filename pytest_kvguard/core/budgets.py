@@ -1,391 +1,202 @@
 """Budgets: limits on a scenario's figures, and the violations a result makes of them.
 
-The same ``Budgets`` type is built from a YAML ``budgets:`` mapping and from
-``@pytest.mark.kv_budget(...)`` (its keyword-only constructor *is* the marker's signature,
-so a misspelt budget fails loudly). Which budgets apply to which scenario is each scenario's
-own list (``pytest_kvguard.scenarios``). This module does not import pytest.
+Each kind of budget is a ``Limit`` its scenario declares (``Scenario.limits``, shared ones in
+``scenarios/limits.py``); the same ``Budgets`` type is built from a YAML ``budgets:`` mapping
+and from ``@pytest.mark.kv_budget(...)`` (its keywords are the declared limits, so a misspelt
+budget fails loudly). This module does not import pytest, nor any scenario.
 """
 
 from __future__ import annotations
 
 import difflib
 import math
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from pytest_kvguard.core.errors import KvguardError
 from pytest_kvguard.core.units import SIZE_SUFFIXES, format_value, parse_size
 
 
-def _limit(
-    metric: str,
-    bound: str,
-    unit: str,
-    short: str,
-    label: str,
-    doc: str,
-    span: tuple[float, float] = (0.0, math.inf),
-) -> Any:
-    """A budget field. ``bound`` is max, min, or flag (a boolean: the metric must not exceed 0).
+@dataclass(frozen=True)
+class Limit:
+    """One kind of budget, declared by the scenario that judges it (``Scenario.limits``).
 
-    Units " B" and " B/token" accept sizes such as "6 MiB". ``span`` is every value the metric
-    can take: a max at or above its top, or a min at or below its bottom, could never fail.
+    ``bound`` is max, min, or flag (a boolean: the metric must not exceed 0). Units " B" and
+    " B/token" accept sizes such as "6 MiB". ``span`` is every value the metric can take: a
+    max at or above its top, or a min at or below its bottom, could never fail.
     """
-    return field(
-        default=None,
-        metadata={
-            "metric": metric, "bound": bound, "unit": unit, "short": short, "label": label,
-            "doc": doc, "span": span,
-        },
-    )  # fmt: skip
 
-
-@dataclass(frozen=True, kw_only=True)
-class Budgets:
-    """Limits a check's result must stay within. Unset (None) limits are not checked."""
-
-    max_ppl_increase_pct: float | None = _limit(
-        "ppl_increase_pct",
-        "max",
-        "%",
-        "ppl+",
-        "post-eviction perplexity increase over baseline",
-        "Post-eviction perplexity may exceed the baseline policy's on the same tokens by at most "
-        "this many percent (sweep: at the largest sink count).",
-    )
-    max_post_eviction_ppl: float | None = _limit(
-        "post_eviction_ppl",
-        "max",
-        "",
-        "ppl",
-        "post-eviction perplexity",
-        "Perplexity over the tokens fed after the first eviction may not exceed this.",
-    )
-    max_kv_entries: float | None = _limit(
-        "kv_entries",
-        "max",
-        " entries",
-        "kv",
-        "KV entries held at the end",
-        "KV entries held per layer at the end of the run (deterministic).",
-    )
-    max_kv_bytes: float | str | None = _limit(
-        "kv_bytes",
-        "max",
-        " B",
-        "kv bytes",
-        "KV bytes held at the end",
-        "KV cache bytes at the end of the run (memory: at the longest length); bytes or a size "
-        "such as '6 MiB'. llama.cpp: the context's state size; mlx-lm: the caches' buffers.",
-    )
-    max_peak_memory_bytes: float | str | None = _limit(
-        "peak_memory_bytes",
-        "max",
-        " B",
-        "peak",
-        "peak memory",
-        "Peak memory of the run, weights included; bytes or a size such as '1.5 GiB'. mlx-lm: "
-        "the weights plus the run's rise of mx.get_peak_memory(); llama.cpp: its own model + KV "
-        "+ compute buffers.",
-    )
-    bounded: bool | None = _limit(
-        "kv_growth_after_cap_bytes",
-        "flag",
-        " B",
-        "bounded",
-        "KV bytes grew after the cap was reached",
-        "true: KV bytes may not grow once the cap is reached (needs a policy with a cap).",
-    )
-    max_kv_bytes_per_token: float | str | None = _limit(
-        "kv_bytes_per_token",
-        "max",
-        " B/token",
-        "kv/token",
-        "KV bytes per token at the longest length",
-        "memory: KV bytes / tokens fed at the longest length; bytes or a size such as '24 KiB'.",
-    )
-    max_kv_deviation_pct: float | None = _limit(
-        "kv_deviation_pct",
-        "max",
-        "%",
-        "kv dev",
-        "largest deviation of measured from predicted KV bytes",
-        "memory: the largest |measured / predicted - 1| over the lengths, in percent; stream "
-        "(a quantized candidate): the same at the end of the run.",
-    )
-
-    min_sink_gain_pct: float | None = _limit(
-        "sink_gain_pct",
-        "min",
-        "%",
-        "sink gain",
-        "perplexity saved by sinks (no sinks vs the best sink count)",
-        "sweep: post-eviction perplexity with 0 sinks over the best with sinks, minus 1, in %; "
-        "an engine that ignores its sinks shows ~0.",
-        span=(-100.0, math.inf),
-    )
-    max_position_gap_pct: float | None = _limit(
-        "position_gap_pct",
-        "max",
-        "%",
-        "pos gap",
-        "largest perplexity gap between re-indexed and absolute positions",
-        "sweep with positions [reindexed, absolute]: the largest |ppl ratio - 1| at one sink "
-        "count, in %; a large gap pins a failure on position handling, not eviction.",
-    )
-    max_chunk_gap_pct: float | None = _limit(
-        "chunk_gap_pct",
-        "max",
-        "%",
-        "chunk gap",
-        "post-eviction perplexity fed in chunks over fed one token at a time",
-        "stream with chunk > 1: post-eviction perplexity of the chunked run over the same policy "
-        "fed one token at a time on the same ids, minus 1, in %; generate: the same for the "
-        "reply tokens of the engine's generate path. An engine whose batched path keeps other "
-        "tokens than its decode path shows here.",
-        span=(-100.0, math.inf),
-    )
-    must_recall: bool | None = _limit(
-        "forgot",
-        "flag",
-        "",
-        "must recall",
-        "the fact was not recalled",
-        "recall: true = the answer must be the model's top choice at every token.",
-    )
-    must_forget: bool | None = _limit(
-        "recalled",
-        "flag",
-        "",
-        "must forget",
-        "the fact was still recalled",
-        "recall: true = the answer must not be recalled (the policy must really have evicted "
-        "the fact). Set neither to allow both: recorded, not gated. Not with must_recall.",
-    )
-    max_mean_abs_nll_diff: float | None = _limit(
-        "mean_abs_nll_diff",
-        "max",
-        " nats",
-        "|dNLL|",
-        "mean per-token |NLL difference| between engines",
-        "parity: mean over tokens of |NLL(engine A) - NLL(engine B)| on the same ids, in nats.",
-    )
-    max_ppl_diff_pct: float | None = _limit(
-        "ppl_diff_pct",
-        "max",
-        "%",
-        "ppl diff",
-        "perplexity difference between engines",
-        "parity: |ppl(B) / ppl(A) - 1| in percent.",
-    )
-    max_reuse_excess: float | None = _limit(
-        "reuse_excess",
-        "max",
-        " nats",
-        "reuse excess",
-        "reuse gap beyond the engine's own floor",
-        "edit_replay: the reuse gap minus the floor, in nats per forced reply token. The gap "
-        "is the mean |NLL difference| between the reused cache and a fresh prefill of the "
-        "follow-up on the same engine and settings; the floor is the same figure between a "
-        "fresh prefill cut where the reuse was cut (the tokens it kept, then the rest) and the "
-        "fresh prefill in the engine's own batches: this engine's own rounding on these ids "
-        "(0 where it is exact, and where nothing was reused).",
-        span=(-math.inf, math.inf),
-    )
-    max_reprefill_tokens: float | None = _limit(
-        "reprefill_tokens",
-        "max",
-        " tokens",
-        "re-prefill",
-        "prompt tokens re-prefilled",
-        "edit_replay: follow-up prompt tokens decoded again (llama-server's prompt_n).",
-    )
-    max_reprefill_fraction: float | None = _limit(
-        "reprefill_fraction",
-        "max",
-        "",
-        "re-prefill share",
-        "share of the follow-up prompt re-prefilled",
-        "edit_replay: re-prefilled tokens / follow-up prompt tokens (0 to 1).",
-        span=(0.0, 1.0),
-    )
-    min_reused_tokens: float | None = _limit(
-        "reused_tokens",
-        "min",
-        " tokens",
-        "reused",
-        "cached tokens reused",
-        "edit_replay: tokens served from the cache (llama-server's cache_n).",
-    )
-    max_window_missing_tokens: float | None = _limit(
-        "window_missing_tokens",
-        "max",
-        " tokens",
-        "window missing",
-        "sliding-window positions missing under the reused prefix",
-        "edit_replay, llama_cpp via api: of the positions the first re-prefilled token attends "
-        "to in the sliding layers, those the cache no longer held when the engine kept its "
-        "prefix (llama_memory_seq_pos_min). Above 0 the reused prefix is wrong whatever the "
-        "scores say; the memory path never reuses such a prefix.",
-    )
-    max_memory_bytes: float | str | None = _limit(
-        "memory_bytes",
-        "max",
-        " B",
-        "mem",
-        "cache plus checkpoint memory",
-        "edit_replay: cache state plus checkpoints after the first prompt; bytes or '24 MiB'.",
-    )
-
-    min_sink_heads_pct: float | None = _limit(
-        "sink_heads_pct",
-        "min",
-        "%",
-        "sink heads",
-        "share of heads that park their attention on the first tokens",
-        "attention: percent of (layer, head) pairs whose mean mass on the first `sinks` tokens "
-        "is at least `sink_threshold` percent.",
-        span=(0.0, 100.0),
-    )
-    max_sink_position: float | None = _limit(
-        "sink_position",
-        "max",
-        "",
-        "sink pos",
-        "position of the sink token",
-        "attention: the sink (the position every query sees that draws the most mean mass) "
-        "must be at or before this index; a template or tokenizer change that moves it fails.",
-    )
-    min_sink_mass_pct: float | None = _limit(
-        "sink_mass_pct",
-        "min",
-        "%",
-        "sink mass",
-        "mean attention mass on the first tokens",
-        "attention: mean over layers, heads and queries of the mass on the first `sinks` "
-        "tokens, in %.",
-        span=(0.0, 100.0),
-    )
-    max_sink_mass_diff_pct: float | None = _limit(
-        "sink_mass_diff_pct",
-        "max",
-        " pt",
-        "sink diff",
-        "largest per-head difference in mass on the first tokens between engines or precisions",
-        "attention_parity: the largest |mass(B) - mass(A)| over layers and heads, mass on the "
-        "first `sinks` tokens in percentage points; attention (a quantized cache): the same "
-        "between the quantized and the full-precision cache, on one engine.",
-        span=(0.0, 100.0),
-    )
+    name: str
+    """As written in a budgets file and on the marker: ``max_kv_entries``."""
+    metric: str
+    """The figure it gates (``Measured.metrics``): ``kv_entries``."""
+    bound: str
+    unit: str
+    short: str
+    """Its name in the table's budget column."""
+    label: str
+    """What a violation says it limits."""
+    doc: str
+    """The reference's line (docs/reference.md)."""
+    span: tuple[float, float] = (0.0, math.inf)
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if value is None:
-                continue
-            if f.metadata["bound"] == "flag":
-                if not isinstance(value, bool):
-                    raise KvguardError(
-                        f"budget {f.name} must be true or false, got {value!r}",
-                        fix=f"write {f.name}: true",
-                    )
-                continue
-            if isinstance(value, str) and f.metadata["unit"] in SIZE_SUFFIXES:
-                value = parse_size(value, f.name)
-                object.__setattr__(self, f.name, value)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise KvguardError(
-                    f"budget {f.name} must be a number, got {value!r}",
-                    fix=f"write e.g. {f.name}: 20",
-                )
-            if math.isnan(value) or value < 0:
-                raise KvguardError(f"budget {f.name} must be >= 0, got {value!r}")
-            if math.isinf(value):
-                raise KvguardError(
-                    f"budget {f.name} is infinite, so it could never fail",
-                    fix=f"give a finite limit, or remove {f.name}",
-                )
-            low, high = f.metadata["span"]
-            if (f.metadata["bound"] == "max" and value >= high) or (
-                f.metadata["bound"] == "min" and value <= low
-            ):
-                reach = f"at most {high:g}" if f.metadata["bound"] == "max" else f"at least {low:g}"
-                raise KvguardError(
-                    f"budget {f.name}: {value!r} could never fail ({f.metadata['metric']} is "
-                    f"always {reach})",
-                    fix=f"tighten {f.name}, or remove it",
-                )
-        if self.must_recall and self.must_forget:
+        if self.bound not in ("max", "min", "flag"):
+            raise KvguardError(
+                f"budget {self.name}: bound {self.bound!r}", fix="declare max, min or flag"
+            )
+
+
+_limit_source: Callable[[], Mapping[str, Limit]] | None = None
+
+
+def set_limit_source(source: Callable[[], Mapping[str, Limit]]) -> None:
+    """Where the known budgets come from: the scenario registry, which sets this as it loads
+    (a layer above this one), so a scenario added at run time brings its own budgets."""
+    global _limit_source
+    _limit_source = source
+
+
+def known_limits() -> Mapping[str, Limit]:
+    """Every budget the registered scenarios declare, by name, in their order."""
+    if _limit_source is None:
+        raise KvguardError(
+            "no scenarios are loaded, so no budget is known",
+            fix="import pytest_kvguard.scenarios (the plugin and every command do)",
+        )
+    return _limit_source()
+
+
+class Budgets:
+    """Limits a check's result must stay within; a limit not given (or None) is not checked.
+    Built from a YAML ``budgets:`` mapping and from ``@pytest.mark.kv_budget(...)`` alike:
+    the keywords are the budgets the scenarios declare, so a misspelt one fails loudly. It
+    keeps the declarations it was built with, so it judges alike in an engine worker."""
+
+    def __init__(self, **limits: Any) -> None:
+        known = known_limits()
+        for name in limits:
+            if name not in known:
+                raise unknown_key_error("budget", name, list(known))
+        self._limits = {n: known[n] for n in known if n in limits}
+        self._values = {n: _read(known[n], limits[n]) for n in self._limits}
+        if self._values.get("must_recall") and self._values.get("must_forget"):
             raise KvguardError(
                 "must_recall and must_forget together can never both hold",
                 fix="keep one of them (neither: recall is recorded, not gated)",
                 key="budgets.must_forget",
             )
 
+    def __getattr__(self, name: str) -> Any:
+        """A budget's limit by name (None where not given)."""
+        if name.startswith("_"):  # pickle's probes, before __dict__ is restored
+            raise AttributeError(name)
+        if name in self._values:
+            return self._values[name]
+        if name in known_limits():
+            return None
+        raise AttributeError(f"no budget {name!r}")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Budgets) and self._values == other._values
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted(self._values.items())))
+
+    def __repr__(self) -> str:
+        return "Budgets(" + ", ".join(f"{n}={v!r}" for n, v in self._values.items()) + ")"
+
     @classmethod
     def names(cls) -> list[str]:
-        """Every budget's name, in declaration order."""
-        return [f.name for f in fields(cls)]
+        """Every budget's name, in the scenarios' order."""
+        return list(known_limits())
 
     @classmethod
     def gated_metrics(cls, names: Iterable[str]) -> dict[str, bool]:
         """The metric each named budget gates on, and whether it is better higher (a ``min``
         bound): the figures a baseline compares and the direction they regress in."""
-        by_name = {f.name: f.metadata for f in fields(cls)}
-        return {by_name[n]["metric"]: by_name[n]["bound"] == "min" for n in names}
+        known = known_limits()
+        return {known[n].metric: known[n].bound == "min" for n in names}
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any]) -> Budgets:
         """Build from a YAML mapping; unknown names get a suggestion."""
         for name in raw:
-            if name not in cls.names():
+            if name not in known_limits():
                 raise unknown_key_error("budget", str(name), cls.names())
         return cls(**raw)
 
     def declared(self) -> dict[str, float]:
         """Limits set, by name (``bounded: false`` is no limit at all)."""
-        return {
-            f.name: getattr(self, f.name) for f in fields(self) if not _unset(getattr(self, f.name))
-        }
+        return {n: v for n, v in self._values.items() if not _unset(v)}
 
     def check(self, metrics: Mapping[str, float]) -> list[Violation]:
         """Every declared limit the metrics break. A value equal to its limit passes."""
         violations = []
-        for f in fields(self):
-            limit = getattr(self, f.name)
-            if _unset(limit):
-                continue
-            meta = f.metadata
-            if meta["metric"] not in metrics:
+        for name, limit in self.declared().items():
+            meta = self._limits[name]
+            if meta.metric not in metrics:
                 raise KvguardError(
-                    f"budget {f.name} does not apply to this check",
+                    f"budget {name} does not apply to this check",
                     fix="remove it; this check measures " + ", ".join(sorted(metrics)),
                 )
-            measured = metrics[meta["metric"]]
-            if meta["bound"] == "flag":
+            measured = metrics[meta.metric]
+            if meta.bound == "flag":
                 limit = 0.0
-            broken = measured < limit if meta["bound"] == "min" else measured > limit
+            broken = measured < limit if meta.bound == "min" else measured > limit
             if broken or math.isnan(measured):
                 violations.append(
-                    Violation(f.name, meta["label"], meta["unit"], limit, measured, meta["bound"])
+                    Violation(name, meta.label, meta.unit, limit, measured, meta.bound)
                 )
         return violations
 
     def describe(self) -> str:
         """Compact form for tables: ``ppl+<=25%, ppl<=13.5``."""
         parts = []
-        for f in fields(self):
-            limit = getattr(self, f.name)
-            if _unset(limit):
+        for name, limit in self.declared().items():
+            meta = self._limits[name]
+            if meta.bound == "flag":
+                parts.append(meta.short)
                 continue
-            if f.metadata["bound"] == "flag":
-                parts.append(f.metadata["short"])
-                continue
-            op = "<=" if f.metadata["bound"] == "max" else ">="
-            unit = f.metadata["unit"] if f.metadata["unit"] in ("%", *SIZE_SUFFIXES) else ""
-            parts.append(f"{f.metadata['short']}{op}{format_value(limit, unit)}")
+            op = "<=" if meta.bound == "max" else ">="
+            unit = meta.unit if meta.unit in ("%", *SIZE_SUFFIXES) else ""
+            parts.append(f"{meta.short}{op}{format_value(limit, unit)}")
         return ", ".join(parts) or "-"
+
+
+def _read(limit: Limit, value: Any) -> Any:
+    """The value as given, checked against its limit (a size read into bytes); errors name it."""
+    name = limit.name
+    if value is None:
+        return None
+    if limit.bound == "flag":
+        if not isinstance(value, bool):
+            raise KvguardError(
+                f"budget {name} must be true or false, got {value!r}", fix=f"write {name}: true"
+            )
+        return value
+    if isinstance(value, str) and limit.unit in SIZE_SUFFIXES:
+        value = parse_size(value, name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise KvguardError(
+            f"budget {name} must be a number, got {value!r}", fix=f"write e.g. {name}: 20"
+        )
+    if math.isnan(value) or value < 0:
+        raise KvguardError(f"budget {name} must be >= 0, got {value!r}")
+    if math.isinf(value):
+        raise KvguardError(
+            f"budget {name} is infinite, so it could never fail",
+            fix=f"give a finite limit, or remove {name}",
+        )
+    low, high = limit.span
+    if (limit.bound == "max" and value >= high) or (limit.bound == "min" and value <= low):
+        reach = f"at most {high:g}" if limit.bound == "max" else f"at least {low:g}"
+        raise KvguardError(
+            f"budget {name}: {value!r} could never fail ({limit.metric} is always {reach})",
+            fix=f"tighten {name}, or remove it",
+        )
+    return value
 
 
 def _unset(limit: object) -> bool:

@@ -6,8 +6,11 @@ A new scenario is one module under ``pytest_kvguard/scenarios/`` with a ``Scenar
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
+from pytest_kvguard.core.budgets import Limit, set_limit_source
+from pytest_kvguard.core.errors import KvguardError
 from pytest_kvguard.scenarios import (
     attention,
     attention_parity,
@@ -38,6 +41,24 @@ SCENARIOS: dict[str, Scenario[Any]] = {
         attention_parity.SCENARIO,
     )
 }
+
+
+def declared_limits() -> Mapping[str, Limit]:
+    """Every budget the registered scenarios declare, in their order: what a budgets file and
+    the ``kv_budget`` marker accept (a scenario added to ``SCENARIOS`` brings its own)."""
+    found: dict[str, Limit] = {}
+    for scenario in SCENARIOS.values():
+        for limit in scenario.limits:
+            if found.setdefault(limit.name, limit) != limit:
+                raise KvguardError(
+                    f"scenario {scenario.name} declares budget {limit.name} unlike the "
+                    "scenario that declared it first",
+                    fix="import the first declaration instead of declaring it again",
+                )
+    return found
+
+
+set_limit_source(declared_limits)
 
 
 def all_param_names() -> set[str]:

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from pytest_kvguard.core.budgets import Budgets
+from pytest_kvguard.core.budgets import Budgets, Limit
 from pytest_kvguard.core.errors import KvguardError
 from pytest_kvguard.core.policies import Policy
 from pytest_kvguard.engines import AttentionRows, ReadsAttention
@@ -45,7 +45,29 @@ from pytest_kvguard.scenarios.base import (
     Scenario,
 )
 from pytest_kvguard.scenarios.extras import sink_heads_panel
+from pytest_kvguard.scenarios.limits import MAX_SINK_MASS_DIFF_PCT
 from pytest_kvguard.scenarios.validate import ascending_counts, require_text_room
+
+MIN_SINK_HEADS_PCT = Limit(
+    "min_sink_heads_pct", "sink_heads_pct", "min", "%", "sink heads",
+    "share of heads that park their attention on the first tokens",
+    "attention: percent of (layer, head) pairs whose mean mass on the first `sinks` tokens is at "
+    "least `sink_threshold` percent.",
+    span=(0.0, 100.0),
+)  # fmt: skip
+MAX_SINK_POSITION = Limit(
+    "max_sink_position", "sink_position", "max", "", "sink pos",
+    "position of the sink token",
+    "attention: the sink (the position every query sees that draws the most mean mass) must be at"
+    " or before this index; a template or tokenizer change that moves it fails.",
+)  # fmt: skip
+MIN_SINK_MASS_PCT = Limit(
+    "min_sink_mass_pct", "sink_mass_pct", "min", "%", "sink mass",
+    "mean attention mass on the first tokens",
+    "attention: mean over layers, heads and queries of the mass on the first `sinks` tokens, in "
+    "%.",
+    span=(0.0, 100.0),
+)  # fmt: skip
 
 FIRST_K = 8
 """Mass on the first k tokens is reported for k = 1 .. FIRST_K."""
@@ -298,9 +320,7 @@ class AttentionScenario(Scenario[AttentionSpec]):
         "layer, mass on the first k tokens and on the recent window"
     )
     params = PARAMS
-    budgets = (
-        "min_sink_heads_pct", "max_sink_position", "min_sink_mass_pct", "max_sink_mass_diff_pct",
-    )  # fmt: skip
+    limits = (MIN_SINK_HEADS_PCT, MAX_SINK_POSITION, MIN_SINK_MASS_PCT, MAX_SINK_MASS_DIFF_PCT)
     detail_type = AttentionDetail
     takes_policy = False
     no_policy = ("attention reads the full cache", "remove '{key}'")
@@ -383,49 +403,3 @@ class AttentionScenario(Scenario[AttentionSpec]):
 
 
 SCENARIO = AttentionScenario()
-
-
-def explain_sinks(ctx: Context, check: Check[Any], sinks_kept: int) -> dict[str, Any] | None:
-    """For a stream or sweep check that broke a budget (a FAIL, or a negative control CAUGHT):
-    the heads of its engine and model that park their attention on the first tokens (read as
-    the ``attention`` scenario's defaults read them, on the check's text), and how many of
-    those tokens the policy kept. None where the engine cannot expose its attention or the run
-    is too short to tell."""
-    engine = ctx.engine(check.engine, check.model)
-    if not isinstance(engine, ReadsAttention):
-        return None
-    text = load_text(check.spec.text, check.base_dir)
-    tokens = min(ATTENTION_TOKENS.default, check.spec.tokens)
-    spec = AttentionSpec(tokens, check.spec.text, default_queries(tokens), SINK_SPAN.default,
-                         SINK_THRESHOLD.default, RECENT.default, "model")  # fmt: skip
-    if spec.queries[0] - spec.recent + 1 <= spec.sinks:
-        return None  # too short a run to tell a sink from the recent tokens
-    rows, ids, _ = capture(ctx, check.engine, check.model, text, spec)
-    metrics, arrays = sink_figures(rows.probs, spec.queries, spec.sinks, spec.sink_threshold,
-                                   spec.recent)  # fmt: skip
-    heads = arrays["head_sink_mass"]
-    sink_heads = [
-        [layer, head, round(mass, 4)]
-        for layer, masses in enumerate(heads)
-        for head, mass in enumerate(masses)
-        if mass * 100 >= spec.sink_threshold
-    ]
-    if sinks_kept >= spec.sinks:
-        lost = "asks to keep them: if they are lost, the engine dropped them"
-    else:
-        lost = (
-            f"keeps {sinks_kept} of the first {spec.sinks} tokens, so these heads lose "
-            f"{'their sink' if sinks_kept == 0 else 'part of it'}"
-        )
-    position = int(metrics["sink_position"])
-    return {
-        "summary": (
-            f"{len(sink_heads)} of {len(heads) * len(heads[0])} heads put >= "
-            f"{spec.sink_threshold}% of their attention on the first {spec.sinks} tokens "
-            f"(sink: #{position} {engine.token_piece(ids[position])!r}, "
-            f"{metrics['sink_position_mass_pct']:.1f}% of all attention); the policy {lost}"
-        ),
-        "sinks_kept": sinks_kept,
-        "sink_heads": sink_heads,
-        "head_sink_mass": heads,
-    }

@@ -31,6 +31,7 @@ from pytest_kvguard.scenarios.base import (
     Measured,
     Scenario,
 )
+from pytest_kvguard.scenarios.limits import MAX_SINK_MASS_DIFF_PCT
 from pytest_kvguard.scenarios.validate import require_two_engines
 
 
@@ -50,7 +51,7 @@ class AttentionParityScenario(Scenario[AttentionSpec]):
         "tokens must agree"
     )
     params = PARAMS
-    budgets = ("max_sink_mass_diff_pct",)
+    limits = (MAX_SINK_MASS_DIFF_PCT,)
     detail_type = AttentionParityDetail
     engines = 2
     takes_policy = False

@@ -15,7 +15,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
-from pytest_kvguard.core.budgets import Budgets
+from pytest_kvguard.core.budgets import Budgets, Limit
 from pytest_kvguard.core.errors import KvguardError
 from pytest_kvguard.core.policies import DEFAULT_CHECKPOINT_STEP, POLICY_KINDS, Policy, make_policy
 from pytest_kvguard.engines import (
@@ -354,8 +354,8 @@ class Scenario(ABC, Generic[SpecT]):
     summary: ClassVar[str]
     """One line: what the scenario does."""
     params: ClassVar[tuple[Param, ...]]
-    budgets: ClassVar[tuple[str, ...]]
-    """The budgets (``Budgets`` field names) that apply to this scenario."""
+    limits: ClassVar[tuple[Limit, ...]]
+    """The budgets that apply to this scenario, declared here or shared (``limits.py``)."""
     detail_type: ClassVar[type]
     engines: ClassVar[int] = 1
     """How many engines a check names (parity: two, under ``engines:``)."""
@@ -420,11 +420,16 @@ class Scenario(ABC, Generic[SpecT]):
         return []
 
     @property
+    def budgets(self) -> tuple[str, ...]:
+        """The names of the budgets that apply (``limits``)."""
+        return tuple(limit.name for limit in self.limits)
+
+    @property
     def comparable_metrics(self) -> dict[str, bool]:
         """The figures a baseline or an upgrade preview compares for this scenario's checks,
         and whether each is better higher: those its budgets gate on, in the budgets' own
         direction (a ``min_`` budget's figure regresses by falling)."""
-        return Budgets.gated_metrics(self.budgets)
+        return {limit.metric: limit.bound == "min" for limit in self.limits}
 
 
 @dataclass(frozen=True)

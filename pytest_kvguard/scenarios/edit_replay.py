@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pytest_kvguard.core.budgets import Budgets
+from pytest_kvguard.core.budgets import Budgets, Limit
 from pytest_kvguard.core.errors import KvguardError
 from pytest_kvguard.core.policies import DEFAULT_CHECKPOINT_STEP, Policy
 from pytest_kvguard.core.units import mib
@@ -50,6 +50,47 @@ from pytest_kvguard.scenarios.base import (
     Scenario,
 )
 from pytest_kvguard.scenarios.replaying import run_edit_replay
+
+MAX_REUSE_EXCESS = Limit(
+    "max_reuse_excess", "reuse_excess", "max", " nats", "reuse excess",
+    "reuse gap beyond the engine's own floor",
+    "edit_replay: the reuse gap minus the floor, in nats per forced reply token. The gap is the "
+    "mean |NLL difference| between the reused cache and a fresh prefill of the follow-up on the "
+    "same engine and settings; the floor is the same figure between a fresh prefill cut where the"
+    " reuse was cut (the tokens it kept, then the rest) and the fresh prefill in the engine's own"
+    " batches: this engine's own rounding on these ids (0 where it is exact, and where nothing "
+    "was reused).",
+    span=(-math.inf, math.inf),
+)  # fmt: skip
+MAX_REPREFILL_TOKENS = Limit(
+    "max_reprefill_tokens", "reprefill_tokens", "max", " tokens", "re-prefill",
+    "prompt tokens re-prefilled",
+    "edit_replay: follow-up prompt tokens decoded again (llama-server's prompt_n).",
+)  # fmt: skip
+MAX_REPREFILL_FRACTION = Limit(
+    "max_reprefill_fraction", "reprefill_fraction", "max", "", "re-prefill share",
+    "share of the follow-up prompt re-prefilled",
+    "edit_replay: re-prefilled tokens / follow-up prompt tokens (0 to 1).",
+    span=(0.0, 1.0),
+)  # fmt: skip
+MIN_REUSED_TOKENS = Limit(
+    "min_reused_tokens", "reused_tokens", "min", " tokens", "reused",
+    "cached tokens reused",
+    "edit_replay: tokens served from the cache (llama-server's cache_n).",
+)  # fmt: skip
+MAX_WINDOW_MISSING_TOKENS = Limit(
+    "max_window_missing_tokens", "window_missing_tokens", "max", " tokens", "window missing",
+    "sliding-window positions missing under the reused prefix",
+    "edit_replay, llama_cpp via api: of the positions the first re-prefilled token attends to in "
+    "the sliding layers, those the cache no longer held when the engine kept its prefix "
+    "(llama_memory_seq_pos_min). Above 0 the reused prefix is wrong whatever the scores say; the "
+    "memory path never reuses such a prefix.",
+)  # fmt: skip
+MAX_MEMORY_BYTES = Limit(
+    "max_memory_bytes", "memory_bytes", "max", " B", "mem",
+    "cache plus checkpoint memory",
+    "edit_replay: cache state plus checkpoints after the first prompt; bytes or '24 MiB'.",
+)  # fmt: skip
 
 VIA = {
     "api": "the engine's user-facing API decides the reuse: llama-cpp-python's Llama, mlx-lm's "
@@ -148,8 +189,14 @@ class EditReplayScenario(Scenario[ReplaySpec]):
               "llama_cpp via api"),
         *KV_PRECISION,
     )  # fmt: skip
-    budgets = ("max_reprefill_tokens", "max_reprefill_fraction", "min_reused_tokens",
-               "max_memory_bytes", "max_reuse_excess", "max_window_missing_tokens")  # fmt: skip
+    limits = (
+        MAX_REPREFILL_TOKENS,
+        MAX_REPREFILL_FRACTION,
+        MIN_REUSED_TOKENS,
+        MAX_MEMORY_BYTES,
+        MAX_REUSE_EXCESS,
+        MAX_WINDOW_MISSING_TOKENS,
+    )
     engine_path = "prefix_cache"
     detail_type = ReplayDetail
     serves_running_server = True

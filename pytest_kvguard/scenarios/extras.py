@@ -91,7 +91,7 @@ SINK_EXPLANATION_SCHEMA: dict[str, Any] = {
         },
     },
 }
-"""The JSON schema of ``scenarios.attention.explain_sinks``'s explanation."""
+"""The JSON schema of ``sink_explanation.explain_sinks``'s explanation."""
 
 
 def explanation_panels(outcome: Any) -> list[Panel]:

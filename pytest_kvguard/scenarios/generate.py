@@ -47,6 +47,11 @@ from pytest_kvguard.scenarios.base import (
     Scenario,
     TextFeed,
 )
+from pytest_kvguard.scenarios.limits import (
+    MAX_CHUNK_GAP_PCT,
+    MAX_POST_EVICTION_PPL,
+    MAX_PPL_INCREASE_PCT,
+)
 from pytest_kvguard.scenarios.stream import check_reaches_eviction
 from pytest_kvguard.scenarios.validate import require_text_room
 
@@ -155,7 +160,7 @@ class GenerateScenario(Scenario[GenerateSpec]):
         TOKENS, CAP, SINKS, POSITIONS, EVICT_STEP, PROMPT, REPLY, PREFILL_STEP, *KV_PRECISION,
         TEXT,
     )  # fmt: skip
-    budgets = ("max_ppl_increase_pct", "max_post_eviction_ppl", "max_chunk_gap_pct")
+    limits = (MAX_PPL_INCREASE_PCT, MAX_POST_EVICTION_PPL, MAX_CHUNK_GAP_PCT)
     engine_path = "generation"
     detail_type = GenerateDetail
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pytest_kvguard.core.budgets import Budgets
+from pytest_kvguard.core.budgets import Budgets, Limit
 from pytest_kvguard.core.errors import KvguardError
 from pytest_kvguard.core.policies import Policy
 from pytest_kvguard.core.units import format_size
@@ -40,7 +40,20 @@ from pytest_kvguard.scenarios.base import (
 )
 from pytest_kvguard.scenarios.extras import kv_bytes_panels
 from pytest_kvguard.scenarios.feeding import StreamRun, chunks, growth_metric
+from pytest_kvguard.scenarios.limits import (
+    BOUNDED,
+    MAX_KV_BYTES,
+    MAX_KV_DEVIATION_PCT,
+    MAX_KV_ENTRIES,
+    MAX_PEAK_MEMORY_BYTES,
+)
 from pytest_kvguard.scenarios.validate import ascending_counts, check_bounded_run, require_text_room
+
+MAX_KV_BYTES_PER_TOKEN = Limit(
+    "max_kv_bytes_per_token", "kv_bytes_per_token", "max", " B/token", "kv/token",
+    "KV bytes per token at the longest length",
+    "memory: KV bytes / tokens fed at the longest length; bytes or a size such as '24 KiB'.",
+)  # fmt: skip
 
 DEFAULT_LENGTHS = (512, 1024, 2048, 4096)
 NOT_APPLIED_RATIO = 1.5
@@ -214,10 +227,14 @@ class MemoryScenario(Scenario[MemorySpec]):
     # No KV precision here: bytes a quantized cache saves are only reported beside the quality
     # they cost against the full-precision cache, which the stream scenario measures.
     params = (LENGTHS, CAP, SINKS, POSITIONS, EVICT_STEP, CHUNK, TEXT)
-    budgets = (
-        "max_kv_entries", "max_kv_bytes", "max_peak_memory_bytes", "bounded",
-        "max_kv_bytes_per_token", "max_kv_deviation_pct",
-    )  # fmt: skip
+    limits = (
+        MAX_KV_ENTRIES,
+        MAX_KV_BYTES,
+        MAX_PEAK_MEMORY_BYTES,
+        BOUNDED,
+        MAX_KV_BYTES_PER_TOKEN,
+        MAX_KV_DEVIATION_PCT,
+    )
     engine_path = "feed_unscored"
     detail_type = MemoryDetail
 

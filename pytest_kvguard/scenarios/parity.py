@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from pytest_kvguard.core.budgets import Limit
 from pytest_kvguard.core.policies import make_policy
 from pytest_kvguard.core.scoring import perplexity
 from pytest_kvguard.inputs.texts import load_text
@@ -25,6 +26,17 @@ from pytest_kvguard.scenarios.base import (
 )
 from pytest_kvguard.scenarios.feeding import StreamRun
 from pytest_kvguard.scenarios.validate import require_text_room, require_two_engines
+
+MAX_MEAN_ABS_NLL_DIFF = Limit(
+    "max_mean_abs_nll_diff", "mean_abs_nll_diff", "max", " nats", "|dNLL|",
+    "mean per-token |NLL difference| between engines",
+    "parity: mean over tokens of |NLL(engine A) - NLL(engine B)| on the same ids, in nats.",
+)  # fmt: skip
+MAX_PPL_DIFF_PCT = Limit(
+    "max_ppl_diff_pct", "ppl_diff_pct", "max", "%", "ppl diff",
+    "perplexity difference between engines",
+    "parity: |ppl(B) / ppl(A) - 1| in percent.",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -69,7 +81,7 @@ class ParityScenario(Scenario[ParitySpec]):
     name = "parity"
     summary = "full cache on two engines, same token ids: per-token NLL must agree"
     params = (TOKENS, TEXT)
-    budgets = ("max_mean_abs_nll_diff", "max_ppl_diff_pct")
+    limits = (MAX_MEAN_ABS_NLL_DIFF, MAX_PPL_DIFF_PCT)
     detail_type = ParityDetail
     engines = 2
     takes_policy = False

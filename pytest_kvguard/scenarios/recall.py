@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from pytest_kvguard.core.budgets import Budgets
+from pytest_kvguard.core.budgets import Budgets, Limit
 from pytest_kvguard.core.errors import KvguardError
 from pytest_kvguard.core.policies import Policy, make_policy
 from pytest_kvguard.engines import Engine
@@ -39,7 +39,20 @@ from pytest_kvguard.scenarios.base import (
     Scenario,
 )
 from pytest_kvguard.scenarios.feeding import StreamRun
+from pytest_kvguard.scenarios.limits import MAX_KV_ENTRIES
 from pytest_kvguard.scenarios.validate import require_text_room
+
+MUST_RECALL = Limit(
+    "must_recall", "forgot", "flag", "", "must recall",
+    "the fact was not recalled",
+    "recall: true = the answer must be the model's top choice at every token.",
+)  # fmt: skip
+MUST_FORGET = Limit(
+    "must_forget", "recalled", "flag", "", "must forget",
+    "the fact was still recalled",
+    "recall: true = the answer must not be recalled (the policy must really have evicted the "
+    "fact). Set neither to allow both: recorded, not gated. Not with must_recall.",
+)  # fmt: skip
 
 DEFAULT_FACT = "Note for later: the password of the blue vault is PAPAYA-7.\n\n"
 DEFAULT_QUESTION = "\n\nQuestion: what is the password of the blue vault?\nAnswer: the password is"
@@ -212,7 +225,7 @@ class RecallScenario(Scenario[RecallSpec]):
         Param("answer", "str", DEFAULT_ANSWER,
               "the expected answer, teacher-forced; start it with a space"),
     )  # fmt: skip
-    budgets = ("max_kv_entries", "must_recall", "must_forget")
+    limits = (MAX_KV_ENTRIES, MUST_RECALL, MUST_FORGET)
     detail_type = RecallDetail
 
     def build(self, fields: Fields) -> RecallSpec:

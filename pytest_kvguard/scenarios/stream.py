@@ -20,7 +20,6 @@ from pytest_kvguard.core.units import format_size
 from pytest_kvguard.engines import check_chunk
 from pytest_kvguard.inputs.architecture import load_arch
 from pytest_kvguard.inputs.texts import Text, load_text
-from pytest_kvguard.scenarios.attention import explain_sinks
 from pytest_kvguard.scenarios.base import (
     CAP,
     CHUNK,
@@ -47,7 +46,18 @@ from pytest_kvguard.scenarios.extras import (
     kv_bytes_panels,
 )
 from pytest_kvguard.scenarios.feeding import StreamRun, growth_metric
+from pytest_kvguard.scenarios.limits import (
+    BOUNDED,
+    MAX_CHUNK_GAP_PCT,
+    MAX_KV_BYTES,
+    MAX_KV_DEVIATION_PCT,
+    MAX_KV_ENTRIES,
+    MAX_PEAK_MEMORY_BYTES,
+    MAX_POST_EVICTION_PPL,
+    MAX_PPL_INCREASE_PCT,
+)
 from pytest_kvguard.scenarios.memory import NOT_APPLIED_RATIO, kv_bytes_predictor
+from pytest_kvguard.scenarios.sink_explanation import explain_sinks
 from pytest_kvguard.scenarios.validate import check_bounded_run, require_text_room
 
 UNQUANTIZED = "unquantized"
@@ -195,10 +205,16 @@ class StreamScenario(Scenario[StreamSpec]):
     name = "stream"
     summary = "feed a long text far past the cache's capacity, score every next token"
     params = (TOKENS, CAP, SINKS, POSITIONS, EVICT_STEP, CHUNK, *KV_PRECISION, TEXT)
-    budgets = (
-        "max_ppl_increase_pct", "max_post_eviction_ppl", "max_kv_entries", "max_kv_bytes",
-        "max_peak_memory_bytes", "bounded", "max_chunk_gap_pct", "max_kv_deviation_pct",
-    )  # fmt: skip
+    limits = (
+        MAX_PPL_INCREASE_PCT,
+        MAX_POST_EVICTION_PPL,
+        MAX_KV_ENTRIES,
+        MAX_KV_BYTES,
+        MAX_PEAK_MEMORY_BYTES,
+        BOUNDED,
+        MAX_CHUNK_GAP_PCT,
+        MAX_KV_DEVIATION_PCT,
+    )
     detail_type = StreamDetail
     takes_baseline = True
     footnote = (

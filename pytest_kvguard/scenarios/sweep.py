@@ -12,17 +12,18 @@ with ``n_keep`` = the sinks. Those runs are shared with generate checks of the s
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from pytest_kvguard.core.budgets import Limit
 from pytest_kvguard.core.errors import KvguardError
 from pytest_kvguard.core.policies import Policy, make_policy
 from pytest_kvguard.engines import check_chunk, check_policy
 from pytest_kvguard.inputs.texts import Text, load_text
-from pytest_kvguard.scenarios.attention import explain_sinks
 from pytest_kvguard.scenarios.base import (
     CAP,
     CHUNK,
@@ -52,8 +53,24 @@ from pytest_kvguard.scenarios.generate import (
     post_cap_ppl,
     streams_through,
 )
+from pytest_kvguard.scenarios.limits import MAX_POST_EVICTION_PPL, MAX_PPL_INCREASE_PCT
+from pytest_kvguard.scenarios.sink_explanation import explain_sinks
 from pytest_kvguard.scenarios.stream import StreamResult, check_reaches_eviction, compare
-from pytest_kvguard.scenarios.validate import ascending_counts, require_text_room
+from pytest_kvguard.scenarios.validate import check_sinks, require_text_room
+
+MIN_SINK_GAIN_PCT = Limit(
+    "min_sink_gain_pct", "sink_gain_pct", "min", "%", "sink gain",
+    "perplexity saved by sinks (no sinks vs the best sink count)",
+    "sweep: post-eviction perplexity with 0 sinks over the best with sinks, minus 1, in %; an "
+    "engine that ignores its sinks shows ~0.",
+    span=(-100.0, math.inf),
+)  # fmt: skip
+MAX_POSITION_GAP_PCT = Limit(
+    "max_position_gap_pct", "position_gap_pct", "max", "%", "pos gap",
+    "largest perplexity gap between re-indexed and absolute positions",
+    "sweep with positions [reindexed, absolute]: the largest |ppl ratio - 1| at one sink count, "
+    "in %; a large gap pins a failure on position handling, not eviction.",
+)  # fmt: skip
 
 DEFAULT_SINKS = (0, 1, 2, 4, 8)
 SERVED_PROMPT = 32
@@ -66,18 +83,6 @@ def sweep_policy(sinks: int, cap: int, positions: str, evict_step: int, chunk: i
     kind = "window" if sinks == 0 else "sink"
     return make_policy(kind, cap=cap, sinks=sinks or None, positions=positions,
                        evict_step=evict_step, chunk=chunk)  # fmt: skip
-
-
-def check_sinks(values: object, cap: int | None) -> tuple[int, ...]:
-    """At least two distinct sink counts, ascending, each leaving room under the cap."""
-    counts = ascending_counts(values, "sinks", 0, 2, "[0, 1, 2, 4, 8]")
-    if cap is not None and counts[-1] >= cap - 1:
-        raise KvguardError(
-            f"{counts[-1]} sinks leave no room under cap {cap}",
-            fix="raise cap or drop that count",
-            key="params.sinks",
-        )
-    return tuple(counts)
 
 
 @dataclass(frozen=True)
@@ -228,8 +233,7 @@ class SweepScenario(Scenario[SweepSpec]):
     name = "sweep"
     summary = "one cap, 0/1/2/4/8 sinks, re-indexed and absolute positions side by side"
     params = (TOKENS, CAP, SWEEP_SINKS, SWEEP_POSITIONS, EVICT_STEP, CHUNK, SWEEP_PROMPT, TEXT)
-    budgets = ("max_ppl_increase_pct", "max_post_eviction_ppl", "min_sink_gain_pct",
-               "max_position_gap_pct")  # fmt: skip
+    limits = (MAX_PPL_INCREASE_PCT, MAX_POST_EVICTION_PPL, MIN_SINK_GAIN_PCT, MAX_POSITION_GAP_PCT)
     detail_type = SweepDetail
     takes_policy = False
     no_policy = (

@@ -69,3 +69,16 @@ def check_bounded_run(policy: Policy, tokens: int, budgets: Budgets) -> None:
             fix="use window, sink or engine_default with a cap below the tokens fed",
             key="budgets.bounded",
         )
+
+
+def check_sinks(values: object, cap: int | None) -> tuple[int, ...]:
+    """sweep's ``sinks``: at least two distinct sink counts, ascending, each leaving room
+    under the cap."""
+    counts = ascending_counts(values, "sinks", 0, 2, "[0, 1, 2, 4, 8]")
+    if cap is not None and counts[-1] >= cap - 1:
+        raise KvguardError(
+            f"{counts[-1]} sinks leave no room under cap {cap}",
+            fix="raise cap or drop that count",
+            key="params.sinks",
+        )
+    return tuple(counts)
