@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -123,3 +124,14 @@ def test_an_entry_point_that_is_not_an_adapter_of_its_name_is_refused(
     on_path(monkeypatch, site)
     with pytest.raises(KvguardError, match="is not the EngineInfo of an engine named 'toy'"):
         _entry_point_adapters()
+
+
+def test_what_an_environment_installs_with_an_engine_is_its_adapters_word() -> None:
+    from pytest_kvguard.isolation.environments import environment_requirements
+
+    with_mlx = environment_requirements(["mlx-lm==0.28.0"])
+    assert with_mlx[0] == "mlx-lm==0.28.0"
+    assert ("mlx[cpu]" in with_mlx) == (sys.platform == "linux")
+    assert any(r.startswith("llama-cpp-python") for r in with_mlx)  # GGUF tokens
+    alone = environment_requirements(["llama-cpp-python==0.3.35"])
+    assert not any(r.startswith(("mlx", "llama-cpp-python==0.3.36")) for r in alone)

@@ -104,6 +104,15 @@ class EngineInfo:
     gguf_architectures: tuple[str, ...] | None = None
     """The GGUF architectures (``general.architecture``) the adapter loads itself, where it
     maps them to the engine's own model classes; None: whatever the engine's library knows."""
+    api_states: tuple[str, ...] = ("none",)
+    """How an app may keep its API path's states between requests (``protocols.API_STATES``,
+    edit_replay's ``api_state``): llama-cpp-python's ``Llama`` has several."""
+    window_probe: bool = False
+    """Its API path reads which sliding-window positions a reused prefix still holds
+    (edit_replay's ``stale_window`` and ``window_missing_tokens``)."""
+    companions: str | None = None
+    """``module:function``, ``function(requested distribution names) -> requirements``: what
+    ``kvguard-env`` installs with this engine's distribution besides it."""
     architecture_probe: str | None = None
     """``module:function``, ``function(path) -> reason | None``: the engine's own refusal of
     a user's GGUF file, asked before any run where the engine runs in the pytest process."""

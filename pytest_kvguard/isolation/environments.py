@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import fcntl
 import hashlib
+import importlib
 import importlib.metadata
 import json
 import os
@@ -30,7 +31,7 @@ from pathlib import Path
 
 from pytest_kvguard.core.errors import KvguardError
 from pytest_kvguard.core.paths import user_cache_home
-from pytest_kvguard.engines import engine_info, installed_version
+from pytest_kvguard.engines import ENGINES, engine_info, installed_version
 
 
 def version_in(python: str, engine: str) -> str | None:
@@ -82,20 +83,14 @@ def _name_of(requirement: str) -> str:
 
 
 def environment_requirements(requested: Sequence[str]) -> list[str]:
-    """What gets installed: the requested engine versions and what a worker needs with them.
-
-    mlx-lm on Linux runs through the mlx[cpu] wheel; on a GGUF model its tokens come from
-    llama.cpp's tokenizer, so llama-cpp-python comes too (this environment's version, which
-    pip's wheel cache usually has).
-    """
+    """What gets installed: the requested engine versions, what a worker needs with them, and
+    what each requested engine's adapter says comes with it (``EngineInfo.companions``)."""
     names = {_name_of(r) for r in requested}
     extra = runtime_requirements()
-    if "mlx-lm" in names:
-        if sys.platform == "linux" and "mlx" not in names:
-            extra.append("mlx[cpu]")
-        if "llama-cpp-python" not in names:
-            here = installed_version("llama_cpp")
-            extra.append(f"llama-cpp-python=={here}" if here else "llama-cpp-python")
+    for info in ENGINES.values():
+        if info.companions is not None and _name_of(info.distribution) in names:
+            module, _, function = info.companions.partition(":")
+            extra += getattr(importlib.import_module(module), function)(names)
     return [*requested, *extra]
 
 

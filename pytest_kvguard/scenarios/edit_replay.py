@@ -25,6 +25,7 @@ from pytest_kvguard.core.policies import DEFAULT_CHECKPOINT_STEP, Policy
 from pytest_kvguard.core.units import mib
 from pytest_kvguard.engines import (
     API_STATES,
+    ENGINES,
     Prompt,
     ReusesThroughApi,
     engine_info,
@@ -139,8 +140,8 @@ class ReplayDetail:
 
 
 def default_via(engine: str) -> str:
-    """``api`` where the engine has a user-facing path that decides reuse (a server always
-    does), else ``memory``."""
+    """``api`` where the engine has a user-facing path that decides reuse (capability
+    ``api_reuse``, or a prefix cache that replays whole prompts: a server's), else ``memory``."""
     info = engine_info(engine)
     return "api" if "api_reuse" in info.capabilities or "replay" in info.capabilities else "memory"
 
@@ -209,22 +210,24 @@ class EditReplayScenario(Scenario[ReplaySpec]):
         if via not in VIA:
             raise KvguardError(f"unknown params.via '{via}'", fix="use api or memory",
                                key="params.via")  # fmt: skip
-        server = "replay" in info.capabilities
-        if via == "memory" and server:
+        # Capability replay: its prefix cache takes whole prompts and decides the reuse itself
+        # (the servers); there is nothing for kvguard's memory path to call.
+        decides_reuse = "replay" in info.capabilities
+        if via == "memory" and decides_reuse:
             raise KvguardError(
                 f"engine {fields.engine} is a server: its own cache decides the reuse, and "
                 "kvguard has no memory operations to call on it",
                 fix="use via: api (the default for a server), or drop params.via",
                 key="params.via",
             )
-        if via == "api" and not server:
+        if via == "api" and not decides_reuse:
             if "api_reuse" not in info.capabilities:
                 raise KvguardError(
                     f"engine {fields.engine} has no user-facing reuse path kvguard can run",
                     fix="use via: memory", key="params.via",
                 )  # fmt: skip
             fields = replace(fields, engine_path="api_reuse")
-        if via == "api" and not server and p["checkpoints"]:
+        if via == "api" and not decides_reuse and p["checkpoints"]:
             raise KvguardError(
                 f"engine {fields.engine}'s user-facing API keeps no SWA checkpoints (only "
                 "kvguard's memory path and llama-server do)",
@@ -237,11 +240,12 @@ class EditReplayScenario(Scenario[ReplaySpec]):
                 fix="use " + ", ".join(API_STATES),
                 key="params.api_state",
             )
-        if p["api_state"] != "none" and (via != "api" or fields.engine != "llama_cpp"):
+        keeping = [e for e, i in ENGINES.items() if len(i.api_states) > 1]
+        if p["api_state"] != "none" and (via != "api" or p["api_state"] not in info.api_states):
             raise KvguardError(
-                "params.api_state is how an app keeps llama-cpp-python's Llama states: it goes "
-                "with engine llama_cpp and via: api only",
-                fix="drop params.api_state, or use engine llama_cpp with via: api",
+                f"params.api_state is how an app keeps an engine API's states: {p['api_state']} "
+                f"goes with via: api on engine {' or '.join(keeping) or 'none'} only",
+                fix=f"drop params.api_state, or use engine {' or '.join(keeping)} with via: api",
                 key="params.api_state",
             )
         policy = fields.policy_of("policy", fields.policy or "")
@@ -272,11 +276,12 @@ class EditReplayScenario(Scenario[ReplaySpec]):
         template = p["chat_template"]
         if template is not None:
             load_chat_template(template, fields.base_dir)  # a bad file fails here
-        if p["stale_window"] and not (fields.engine == "llama_cpp" and via == "api"):
+        if p["stale_window"] and not (info.window_probe and via == "api"):
+            probing = " or ".join(e for e, i in ENGINES.items() if i.window_probe) or "none"
             raise KvguardError(
                 "params.stale_window is checked against the window the cache still held when "
-                "the engine kept its prefix, which only llama_cpp via: api reads",
-                fix="drop params.stale_window, or use engine llama_cpp with via: api",
+                f"the engine kept its prefix, which only {probing} via: api reads",
+                fix=f"drop params.stale_window, or use engine {probing} with via: api",
                 key="params.stale_window",
             )
         reply_tokens = 0 if info.remote else p["reply_tokens"]

@@ -26,5 +26,7 @@ ADAPTER = EngineInfo(
     kv_precision="cache_types",
     kv_precision_paths=("feed", "reads_attention"),
     kv_size="pytest_kvguard.engines.llama_cpp.kv_size",
+    api_states=("none", "ram", "disk", "saved"),
+    window_probe=True,
     architecture_probe="pytest_kvguard.engines.model_usable:llama_cpp_refusal",
 )

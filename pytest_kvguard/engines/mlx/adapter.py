@@ -4,7 +4,10 @@ Imports no engine."""
 
 from __future__ import annotations
 
-from pytest_kvguard.engines.registry import EngineInfo
+import sys
+from collections.abc import Set
+
+from pytest_kvguard.engines.registry import EngineInfo, installed_version
 
 ADAPTER = EngineInfo(
     "mlx",
@@ -27,4 +30,19 @@ ADAPTER = EngineInfo(
     kv_precision="kv_bits",
     kv_precision_paths=("feed", "reads_attention"),
     kv_size="pytest_kvguard.engines.mlx.kv_size",
+    companions=f"{__name__}:companions",
 )
+
+
+def companions(requested: Set[str]) -> list[str]:
+    """What an environment with mlx-lm needs besides it: on Linux mlx runs through the
+    mlx[cpu] wheel; on a GGUF model its tokens come from llama.cpp's tokenizer, so
+    llama-cpp-python comes too (this environment's version, which pip's wheel cache usually
+    has)."""
+    extra = []
+    if sys.platform == "linux" and "mlx" not in requested:
+        extra.append("mlx[cpu]")
+    if "llama-cpp-python" not in requested:
+        here = installed_version("llama_cpp")
+        extra.append(f"llama-cpp-python=={here}" if here else "llama-cpp-python")
+    return extra
