@@ -27,11 +27,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="PATH",
         help="tests/check_gate_report.py: the gate run's JSON report to check",
     )
+    parser.addoption(
+        "--require-engines",
+        action="store_true",
+        help=f"a test that needs an engine this machine lacks fails instead of skipping (also "
+        f"{REQUIRE_ENGINES_ENV}=1; .ci/run sets it)",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
     """check_gate_report.py needs --gate-report: without it, or with a file that is not a
-    kvguard report, the run ends here with one line (exit 4)."""
+    kvguard report, the run ends here with one line (exit 4); so does a value of
+    $KVGUARD_REQUIRE_ENGINES that is neither on nor off."""
+    engines_required(config)
     path = config.getoption("gate_report")
     if path is None:
         if any(Path(arg.split("::")[0]).name == "check_gate_report.py" for arg in config.args):
@@ -55,7 +63,46 @@ def pytest_configure(config: pytest.Config) -> None:
 ENGINE_MARKERS = ("llama_cpp", "mlx", "llama_server")
 """Markers named after the engine a test needs (registered in pyproject.toml). A test with one
 is also an ``engine`` test, and is skipped, with the reason, only where that engine is not
-installed; a missing model or a broken engine still fails it."""
+installed (with --require-engines or $KVGUARD_REQUIRE_ENGINES=1 it fails instead, with the same
+reason); a missing model or a broken engine still fails it."""
+
+REQUIRE_ENGINES_ENV = "KVGUARD_REQUIRE_ENGINES"
+"""1: a missing engine fails the tests that need it instead of skipping them (.ci/run sets it,
+so a broken llama-server build or a missing mlx-lm cannot land as a green run of skips)."""
+
+MISSING_ENGINES = pytest.StashKey[str]()
+"""On an engine test under --require-engines: why it cannot run here (its setup fails)."""
+
+
+def engines_required(config: pytest.Config) -> bool:
+    """Whether a missing engine fails its tests: --require-engines or $KVGUARD_REQUIRE_ENGINES
+    (1, true, yes or on; 0, false, no, off or empty turn it off; anything else is a usage
+    error, so a typo cannot turn the rule off unseen)."""
+    if config.getoption("require_engines", default=False):
+        return True
+    value = os.environ.get(REQUIRE_ENGINES_ENV, "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise pytest.UsageError(
+        f"{REQUIRE_ENGINES_ENV}={os.environ[REQUIRE_ENGINES_ENV]!r} is neither on nor off "
+        f"(fix: set it to 1 or 0)"
+    )
+
+
+def skip_or_fail(config: pytest.Config, reason: str) -> None:
+    """For a test that finds, as it runs, that something it needs is not installed: skipped
+    with the reason, or failed with it where engines are required."""
+    if engines_required(config):
+        pytest.fail(required_but_missing(reason), pytrace=False)
+    pytest.skip(reason)
+
+
+def required_but_missing(reason: str) -> str:
+    """The one line a test fails with where engines are required: the reason it would have been
+    skipped for, and the setting that refused the skip."""
+    return f"{reason} (required here: {REQUIRE_ENGINES_ENV}=1 or --require-engines)"
 
 
 @cache
@@ -70,7 +117,8 @@ def engine_not_installed(name: str) -> str | None:
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m reads the engine marker it adds
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    required = engines_required(config)
     for item in items:
         needed = sorted({m.name for m in item.iter_markers() if m.name in ENGINE_MARKERS})
         if not needed:
@@ -78,12 +126,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if item.get_closest_marker("engine") is None:
             item.add_marker(pytest.mark.engine)  # -m "not engine" deselects it
         reasons = [r for r in map(engine_not_installed, needed) if r is not None]
-        if reasons:
+        if reasons and required:
+            item.stash[MISSING_ENGINES] = "; ".join(reasons)  # its setup fails with it
+        elif reasons:
             item.add_marker(pytest.mark.skip(reason="; ".join(reasons)))
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """An engine test says which engines it needs, so that it is skipped only for want of one."""
+    """An engine test says which engines it needs, so that it is skipped only for want of one;
+    where engines are required, the want of one fails it, with the reason it would be skipped
+    for."""
     if item.get_closest_marker("engine") is None:
         return
     if not any(item.get_closest_marker(name) for name in ENGINE_MARKERS):
@@ -92,6 +144,9 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             f"(fix: add one of @pytest.mark.{', @pytest.mark.'.join(ENGINE_MARKERS)})",
             pytrace=False,
         )
+    missing = item.stash.get(MISSING_ENGINES, None)
+    if missing is not None:
+        pytest.fail(required_but_missing(missing), pytrace=False)
 
 
 @pytest.fixture(autouse=True)

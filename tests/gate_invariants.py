@@ -14,11 +14,14 @@ import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
+from pytest_kvguard.gate.budgets_file import load_budgets_file
 from pytest_kvguard.gate.outcome import row_from_json
 from pytest_kvguard.gate.report import render_table
 from pytest_kvguard.scenarios.base import Check
@@ -26,6 +29,21 @@ from pytest_kvguard.scenarios.base import Check
 ROOT = Path(__file__).resolve().parent.parent
 FULL = ROOT / "fixtures" / "budgets.yaml"
 QUICK = ROOT / "fixtures" / "quick.yaml"
+
+
+def check_names(path: Path) -> list[str]:
+    """A budgets file's check names in file order, read as plain YAML: no engine is needed for
+    this, so a test module can parametrize over them at import on any machine."""
+    document = yaml.safe_load(path.read_text(encoding="utf-8"))
+    return [entry["name"] for entry in document["checks"]]
+
+
+@cache
+def checks_by_name(path: Path) -> dict[str, Check[Any]]:
+    """A budgets file's checks, parsed in full, by name. The parser refuses a check whose engine
+    is not installed: call it inside a test that carries those engines' markers, never at
+    import (a machine without one would get a collection error, not a skip or a failure)."""
+    return {check.name: check for check in load_budgets_file(path).checks}
 
 
 def expected_verdict(check: Check[Any]) -> str:
@@ -108,8 +126,16 @@ def assert_row_holds(row: Mapping[str, Any], check: Check[Any]) -> None:
         assert math.isnan(m["post_eviction_ppl"])
         return
     if spec.policy.precision_set:
-        # A quantized cache's bytes are reported beside their prediction.
-        assert "kv_bytes_predicted" in m and m["kv_deviation_pct"] >= 0
+        # A quantized cache's bytes are reported beside their prediction, and the deviation is
+        # the one those two make (finite: a prediction of 0 bytes or a NaN cannot pass), within
+        # the check's budget for it where the check is not a negative control.
+        assert "kv_bytes_predicted" in m, row["name"]
+        predicted, deviation = m["kv_bytes_predicted"], m["kv_deviation_pct"]
+        assert predicted > 0 and m["kv_bytes"] > 0 and math.isfinite(deviation)
+        assert deviation == pytest.approx(abs(m["kv_bytes"] / predicted - 1.0) * 100.0)
+        budget = check.budgets.max_kv_deviation_pct
+        if budget is not None and not check.expect_violation:
+            assert deviation <= budget, (row["name"], deviation, budget)
     if spec.policy.precision_set and spec.policy.cap is None:
         return  # a quantized full cache: nothing evicts
     if row["violations"] and spec.policy.kind in ("sink", "window") and not spec.policy.quantized:

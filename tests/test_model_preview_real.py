@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("llama_cpp")
+from pytest_kvguard.cli.quantize import main as quantize
 
-from pytest_kvguard.cli.quantize import main as quantize  # noqa: E402
+# Both tests run llama.cpp: its quantizer (kvguard-quantize), and the preview's checks.
+pytestmark = pytest.mark.llama_cpp
 
 CHECKS = """\
 version: 1

@@ -50,6 +50,7 @@ def test_a_truncated_file(pytester: pytest.Pytester) -> None:
     )
 
 
+@pytest.mark.mlx  # the parser asks for mlx-lm installed before it reads the model
 def test_a_folder_without_a_tokenizer(pytester: pytest.Pytester) -> None:
     folder = pytester.path / "converted"
     folder.mkdir()
@@ -61,6 +62,7 @@ def test_a_folder_without_a_tokenizer(pytester: pytest.Pytester) -> None:
     )
 
 
+@pytest.mark.mlx  # the parser asks for mlx-lm installed before it reads the model
 def test_an_architecture_the_mlx_adapter_does_not_map(pytester: pytest.Pytester) -> None:
     write_model(pytester.path / "qwen.gguf", arch="qwen2")
     line = usage_error(pytester, "mlx", "qwen.gguf")
@@ -70,8 +72,8 @@ def test_an_architecture_the_mlx_adapter_does_not_map(pytester: pytest.Pytester)
     )
 
 
+@pytest.mark.llama_cpp  # llama.cpp itself is asked
 def test_an_architecture_llama_cpp_does_not_know(pytester: pytest.Pytester) -> None:
-    pytest.importorskip("llama_cpp")
     write_model(pytester.path / "foo.gguf", arch="foo")
     line = usage_error(pytester, "llama_cpp", "foo.gguf")
     assert line.startswith("ERROR: budgets.yaml:3: model ")
@@ -81,11 +83,11 @@ def test_an_architecture_llama_cpp_does_not_know(pytester: pytest.Pytester) -> N
     )
 
 
+@pytest.mark.llama_cpp  # llama.cpp itself is asked
 def test_a_known_architecture_is_not_refused_for_its_missing_vocabulary(
     pytester: pytest.Pytester,
 ) -> None:
     # A file llama.cpp refuses for another reason is left to the run, which says so itself.
-    pytest.importorskip("llama_cpp")
     write_model(pytester.path / "qwen.gguf", arch="qwen2")
     pytester.makefile(".yaml", budgets=CHECK.format(engine="llama_cpp", model="qwen.gguf"))
     result = pytester.runpytest("--kvguard", "budgets.yaml", "--collect-only")

@@ -14,10 +14,12 @@ check their reports with tests/check_gate_report.py.
 from __future__ import annotations
 
 import json
+from functools import cache
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from gate_invariants import SERVED_AGREEMENTS, assert_agreements, assert_row_holds
 
 from pytest_kvguard.gate.budgets_file import load_budgets_file
@@ -25,10 +27,32 @@ from pytest_kvguard.gate.engine_pythons import Environments
 from pytest_kvguard.plugin.session import ENVIRONMENTS_KEY, run_gated, sendable, session_pool
 from pytest_kvguard.scenarios.base import Check
 
-pytestmark = pytest.mark.engine  # each check names its engines below
-CHECKS_FILE = load_budgets_file(Path(__file__).with_name("engine_checks.yaml"))
-CHECKS = {check.name: check for check in CHECKS_FILE.checks}
+ENGINE_CHECKS = Path(__file__).with_name("engine_checks.yaml")
+# Each check names its engines below; and parsing the file needs both in-process engines
+# installed (the parser refuses a check whose engine is missing), so every test here needs them.
+pytestmark = [pytest.mark.engine, pytest.mark.llama_cpp, pytest.mark.mlx]
 ROWS: dict[str, dict[str, Any]] = {}
+
+
+def written_engines() -> dict[str, set[str]]:
+    """Each check's name and engines as the file writes them, read as plain YAML: no engine is
+    needed for this, so collection works on a machine that lacks one (its tests are skipped,
+    or fail where engines are required, by their markers)."""
+    document = yaml.safe_load(ENGINE_CHECKS.read_text(encoding="utf-8"))
+    default = document["defaults"]["engine"]
+    return {
+        entry["name"]: set(entry.get("engines") or [entry.get("engine", default)])
+        for entry in document["checks"]
+    }
+
+
+@cache
+def engine_checks() -> dict[str, Check[Any]]:
+    """The file's checks, parsed in full (inside a test: every engine it names is installed),
+    by name in file order; each with the engines its test's markers were made from."""
+    checks = {check.name: check for check in load_budgets_file(ENGINE_CHECKS).checks}
+    assert {name: set(check.engines) for name, check in checks.items()} == written_engines()
+    return checks
 
 
 def engine_marks(engines: set[str]) -> list[pytest.MarkDecorator]:
@@ -37,8 +61,8 @@ def engine_marks(engines: set[str]) -> list[pytest.MarkDecorator]:
 
 
 CHECK_PARAMS = [
-    pytest.param(check, id=check.name, marks=engine_marks(set(check.engines)))
-    for check in CHECKS_FILE.checks
+    pytest.param(name, id=name, marks=engine_marks(engines))
+    for name, engines in written_engines().items()
 ]
 
 
@@ -48,20 +72,20 @@ def planned(pytestconfig: pytest.Config) -> None:
     together do, whichever test asks first."""
     environments = pytestconfig.stash.get(ENVIRONMENTS_KEY, Environments())
     worker = session_pool(pytestconfig).worker(environments.python_for(("llama_cpp", "mlx")))
-    worker.add_plan([sendable(check) for check in CHECKS_FILE.checks])
+    worker.add_plan([sendable(check) for check in engine_checks().values()])
 
 
 def row_of(config: pytest.Config, name: str) -> dict[str, Any]:
     """The check's JSON row as --kvguard-json writes it, run once per session."""
     if name not in ROWS:
-        ROWS[name] = json.loads(json.dumps(run_gated(config, CHECKS[name]).to_json()))
+        ROWS[name] = json.loads(json.dumps(run_gated(config, engine_checks()[name]).to_json()))
     return ROWS[name]
 
 
 @pytest.mark.usefixtures("planned")
-@pytest.mark.parametrize("check", CHECK_PARAMS)
-def test_check_runs_and_its_figures_hold(pytestconfig: pytest.Config, check: Check[Any]) -> None:
-    assert_row_holds(row_of(pytestconfig, check.name), check)
+@pytest.mark.parametrize("name", CHECK_PARAMS)
+def test_check_runs_and_its_figures_hold(pytestconfig: pytest.Config, name: str) -> None:
+    assert_row_holds(row_of(pytestconfig, name), engine_checks()[name])
 
 
 @pytest.mark.usefixtures("planned")
@@ -72,5 +96,5 @@ def test_llama_server_agrees_with_the_in_process_engine(pytestconfig: pytest.Con
     """The same chat: the server's cache_n / prompt_n are the in-process counts; the same
     forced generation past the cap: its context shift scores as the in-process sink policy;
     its sweep's runs are the generate checks' own, kept with the sinks asked for."""
-    rows = {name: row_of(pytestconfig, name) for name in CHECKS}
+    rows = {name: row_of(pytestconfig, name) for name in engine_checks()}
     assert assert_agreements(rows) == SERVED_AGREEMENTS

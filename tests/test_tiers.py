@@ -21,6 +21,8 @@ from gate_invariants import (
     QUICK,
     ROOT,
     QuotedTable,
+    check_names,
+    checks_by_name,
     measured_on,
     quoted_blocks,
     readme_drift,
@@ -29,19 +31,19 @@ from gate_invariants import (
 )
 
 from pytest_kvguard.cli import llama_server_build
-from pytest_kvguard.gate.budgets_file import load_budgets_file
 from pytest_kvguard.gate.faults import FAULTS
 from pytest_kvguard.gate.report import render_table
 
-QUICK_CHECKS = {c.name: c for c in load_budgets_file(QUICK).checks}
-FULL_CHECKS = {c.name: c for c in load_budgets_file(FULL).checks}
 
-
-@pytest.mark.parametrize("name", list(QUICK_CHECKS))
+# No engine runs here, but the parser refuses a check whose engine is not installed, and both
+# gates name both in-process engines: a test that parses them carries both engines' markers.
+@pytest.mark.parametrize("name", check_names(QUICK))
+@pytest.mark.llama_cpp
+@pytest.mark.mlx
 def test_each_quick_check_mirrors_the_full_check_of_its_name(name: str) -> None:
     """Same scenario, engines, model, kind of policy and expected verdict: the quick check is
     the full one at a smaller size, so the two verdicts can be compared."""
-    quick, full = QUICK_CHECKS[name], FULL_CHECKS.get(name)
+    quick, full = checks_by_name(QUICK)[name], checks_by_name(FULL).get(name)
     assert full is not None, f"{name} has no check of the same name in {FULL.name}"
     assert (quick.scenario, quick.engines, quick.model.name, quick.expect_violation) == (
         full.scenario, full.engines, full.model.name, full.expect_violation)  # fmt: skip
@@ -50,21 +52,25 @@ def test_each_quick_check_mirrors_the_full_check_of_its_name(name: str) -> None:
         assert policy.kind == full.spec.policy.kind
 
 
+@pytest.mark.llama_cpp
+@pytest.mark.mlx
 def test_the_quick_gate_has_every_kind_of_check_the_full_gate_has() -> None:
-    scenarios = {c.scenario for c in QUICK_CHECKS.values()}
-    assert scenarios == {c.scenario for c in FULL_CHECKS.values()}
-    engines = {e for c in QUICK_CHECKS.values() for e in c.engines}
-    assert engines == {e for c in FULL_CHECKS.values() for e in c.engines}
+    quick, full = checks_by_name(QUICK).values(), checks_by_name(FULL).values()
+    scenarios = {c.scenario for c in quick}
+    assert scenarios == {c.scenario for c in full}
+    engines = {e for c in quick for e in c.engines}
+    assert engines == {e for c in full for e in c.engines}
     # Each negative control kind: a window and an engine default caught on each engine.
-    caught = {(c.engine, c.spec.policy.kind) for c in QUICK_CHECKS.values()
+    caught = {(c.engine, c.spec.policy.kind) for c in quick
               if c.expect_violation and c.scenario == "stream"}  # fmt: skip
     assert {("llama_cpp", "window"), ("mlx", "window"), ("mlx", "engine_default")} <= caught
 
 
 def test_every_fault_names_checks_of_both_tiers() -> None:
+    # Names only: read as plain YAML, no engine needed (the parse is the tests' above).
     for fault in FAULTS.values():
-        assert set(fault.caught_by) <= set(QUICK_CHECKS), fault.name
-        assert set(fault.caught_by) <= set(FULL_CHECKS), fault.name
+        assert set(fault.caught_by) <= set(check_names(QUICK)), fault.name
+        assert set(fault.caught_by) <= set(check_names(FULL)), fault.name
 
 
 # README's quoted output against a report.
