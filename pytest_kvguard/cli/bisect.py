@@ -1,6 +1,6 @@
 """Which engine release broke a check: a binary search over the releases on the package index.
 
-    kvguard-bisect BUDGETS --engine mlx --good "mlx-lm==0.28.0" --bad "mlx-lm==0.31.1" -k cap256
+    kvguard bisect BUDGETS --engine mlx --good "mlx-lm==0.28.0" --bad "mlx-lm==0.31.1" -k cap256
 
 Each release tested gets its environment from ``kvguard-env`` (cached) and one gate run, a
 pytest subprocess with ``--kvguard-engine-python ENGINE=PYTHON`` and ``--kvguard-json``, whose
@@ -56,9 +56,9 @@ from pytest_kvguard.scenarios import SCENARIOS
 PROGRESS = "[bisect]"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, prog: str = "kvguard-bisect") -> int:
     parser = argparse.ArgumentParser(
-        prog="kvguard-bisect",
+        prog=prog,
         description="Find the first engine release that fails the picked checks of a budgets "
         "file: list the releases between a good and a bad one on the package index, then test "
         "them by halves, each in its own kvguard-env environment (cached). Progress goes to "

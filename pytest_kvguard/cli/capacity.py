@@ -5,14 +5,15 @@ Reads the architecture from a GGUF file or a Hugging Face ``config.json`` (``lay
 llama.cpp holds them (``engines.llama_cpp.kv_size``). Each engine's prediction of a stream's
 KV bytes (the memory scenario's) is its adapter's (``engines.kv_size.predict_engine_kv_bytes``).
 
-    python -m pytest_kvguard.cli.capacity MODEL.gguf|config.json [--contexts 512,1024] [--cap 256]
+    kvguard capacity MODEL.gguf|config.json [--contexts 512,1024] [--cap 256]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from tabulate import tabulate
@@ -57,20 +58,58 @@ def capacity_table(
     return headers, rows
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _whole(minimum: int) -> Callable[[str], int]:
+    """An argparse type: a whole number >= ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is below {minimum}")
+        return value
+
+    return parse
+
+
+def _contexts(text: str) -> list[int]:
+    """An argparse type: comma-separated context lengths, each a whole number >= 1."""
+    try:
+        contexts = [int(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be integers, got {text!r}") from None
+    if not contexts or min(contexts) < 1:
+        raise argparse.ArgumentTypeError(f"must be lengths of 1 token or more, got {text!r}")
+    return contexts
+
+
+def _bytes(text: str) -> float:
+    """An argparse type: bytes per cache element, a finite number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text} is not a number above 0: write e.g. 2")
+    return value
+
+
+def main(argv: Sequence[str] | None = None, *, prog: str = "kvguard-capacity") -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m pytest_kvguard.cli.capacity",
+        prog=prog,
         description="KV-cache bytes per policy and context length, from a GGUF or config.json.",
     )
     parser.add_argument("model", type=Path, help="a .gguf file or a Hugging Face config.json")
     parser.add_argument(
         "--contexts",
+        type=_contexts,
         default=",".join(map(str, DEFAULT_CONTEXTS)),
         help="comma-separated context lengths (default: %(default)s)",
     )
-    parser.add_argument("--cap", type=int, default=256, help="window/sink cap (default: 256)")
+    parser.add_argument("--cap", type=_whole(1), default=256, help="window/sink cap (default: 256)")
     parser.add_argument(
-        "--bytes", type=float, default=2.0, help="bytes per cache element (default: 2, f16)"
+        "--bytes", type=_bytes, default=2.0, help="bytes per cache element (default: 2, f16)"
     )
     parser.add_argument(
         "--cache-type-k",
@@ -80,13 +119,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--cache-type-v", choices=list(LLAMA_CACHE_TYPES), help="llama.cpp's V cache type"
     )
-    parser.add_argument("--ubatch", type=int, default=512, help="llama.cpp n_ubatch (default: 512)")
-    parser.add_argument("--slots", type=int, default=1, help="llama.cpp n_seq / slots (default: 1)")
+    parser.add_argument(
+        "--ubatch", type=_whole(1), default=512, help="llama.cpp n_ubatch (default: 512)"
+    )
+    parser.add_argument(
+        "--slots", type=_whole(1), default=1, help="llama.cpp n_seq / slots (default: 1)"
+    )
     args = parser.parse_args(argv)
-    try:
-        contexts = [int(c) for c in args.contexts.split(",") if c.strip()]
-    except ValueError:
-        parser.error(f"--contexts must be integers, got {args.contexts!r}")
+    contexts = args.contexts
     try:
         arch = load_arch(args.model)
     except KvguardError as exc:

@@ -1,4 +1,4 @@
-"""``kvguard-compare A.json B.json``: two JSON reports, figure by figure.
+"""``kvguard compare A.json B.json``: two JSON reports, figure by figure.
 
 For proving that a change of kvguard itself moved nothing (same engines, same machine): every
 check's verdict, token count, every figure in ``metrics`` and every sample (KV bytes and entries
@@ -16,6 +16,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from pytest_kvguard.core.errors import KvguardError
 
 
 def figures(row: Mapping[str, Any]) -> dict[str, Any]:
@@ -93,8 +95,44 @@ def percent(text: str) -> float:
     return value
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvguard-compare", description=__doc__.splitlines()[0])
+def load_report(path: Path) -> dict[str, Any]:
+    """A JSON report as ``--kvguard-json`` writes it: an object whose ``checks`` each have a
+    ``name`` and a ``verdict``; anything else is a KvguardError naming the file."""
+    fix = "give two reports that pytest --kvguard-json wrote"
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise KvguardError(f"cannot read it: {exc.strerror or exc}", path=path, fix=fix) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise KvguardError(f"not JSON: {exc}", path=path, fix=fix) from None
+    if not isinstance(report, dict):
+        raise KvguardError(
+            f"a JSON {type(report).__name__}, not a kvguard report (an object with 'checks')",
+            path=path, fix=fix,
+        )  # fmt: skip
+    if not isinstance(report.get("checks"), list):
+        lacks = "has no 'checks' list" if "checks" not in report else "'checks' is not a list"
+        raise KvguardError(f"{lacks}: not a kvguard JSON report", path=path, fix=fix)
+    for i, row in enumerate(report["checks"]):
+        if (
+            not isinstance(row, dict)
+            or not isinstance(row.get("name"), str)
+            or "verdict" not in row
+        ):
+            raise KvguardError(
+                f"checks[{i}] is not a check (an object with 'name' and 'verdict')",
+                path=path, fix=fix,
+            )  # fmt: skip
+        for key in ("metrics", "detail"):
+            if not isinstance(row.get(key) or {}, dict):
+                raise KvguardError(
+                    f"checks[{i}] ({row['name']}): '{key}' is not an object", path=path, fix=fix
+                )
+    return report
+
+
+def main(argv: Sequence[str] | None = None, *, prog: str = "kvguard-compare") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("first", type=Path)
     parser.add_argument("second", type=Path)
     parser.add_argument(
@@ -107,21 +145,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     )  # fmt: skip
     args = parser.parse_args(argv)
     try:
-        before, after = (
-            json.loads(p.read_text(encoding="utf-8")) for p in (args.first, args.second)
+        before, after = (load_report(p) for p in (args.first, args.second))
+        compared, lines, (change, where) = differences(
+            before, after, args.ignore, args.tolerance / 100.0
         )
-    except (OSError, json.JSONDecodeError) as exc:
-        print(f"kvguard-compare: {exc}", file=sys.stderr)
+    except KvguardError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
         return 2
-    compared, lines, (change, where) = differences(
-        before, after, args.ignore, args.tolerance / 100.0
-    )
+    except (TypeError, ValueError, AttributeError) as exc:  # a figure shaped like no report's
+        print(f"{prog}: {args.first}, {args.second}: a check's figures are not a kvguard "
+              f"report's ({type(exc).__name__}: {exc})", file=sys.stderr)  # fmt: skip
+        return 2
     for line in lines:
         print(line)
     checks = len({r["name"] for r in before["checks"]} & {r["name"] for r in after["checks"]})
     within = f" beyond {args.tolerance:g}%" if args.tolerance else ""
     verdict = "identical" if not lines else f"{len(lines)} difference(s){within}"
     if change:
-        print(f"kvguard-compare: largest relative change {change * 100:.4g}%: {where}")
-    print(f"kvguard-compare: {checks} checks, {compared} figures compared: {verdict}")
+        print(f"{prog}: largest relative change {change * 100:.4g}%: {where}")
+    print(f"{prog}: {checks} checks, {compared} figures compared: {verdict}")
     return 1 if lines else 0

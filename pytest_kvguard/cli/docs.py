@@ -1,8 +1,8 @@
 """The reference tables, generated from the code: docs/reference.md carries each between
 ``<!-- generated: NAME -->`` and ``<!-- end generated -->`` markers, and a test keeps them equal.
 
-``kvguard-docs`` prints them, ``kvguard-docs --check`` says which copies in the file are stale,
-``kvguard-docs --write`` regenerates them in place. ``kvguard-scenarios`` prints the scenarios'
+``kvguard docs`` prints them, ``kvguard docs --check`` says which copies in the file are stale,
+``kvguard docs --write`` regenerates them in place. ``kvguard scenarios`` prints the scenarios'
 own tables (what the installed version takes) and, with ``--schema``, the JSON report's schema.
 
 Every table reads its source of truth: the budgets the scenarios declare (``Limit``), the scenario
@@ -32,7 +32,7 @@ from pytest_kvguard.scenarios.base import PARAM_KINDS, Fields, Scenario
 
 REFERENCE = Path("docs/reference.md")
 """Where the generated tables live, relative to the repository root."""
-FIX = "kvguard-docs --write (or: python -m pytest_kvguard.cli.docs --write)"
+FIX = "kvguard docs --write (or: python -m pytest_kvguard.cli.docs --write)"
 """The command that regenerates them, as failure messages name it."""
 SECTION = re.compile(
     r"<!-- generated: (?P<name>[\w-]+) -->\n(?P<body>.*?)<!-- end generated -->", re.S
@@ -303,26 +303,43 @@ def regenerate(text: str) -> str:
     )
 
 
-def docs_main(argv: Sequence[str] | None = None) -> int:
-    """``kvguard-docs``: print every generated table; ``--check [FILE]``: exit 1 when a copy in
+def docs_main(argv: Sequence[str] | None = None, *, prog: str = "kvguard-docs") -> int:
+    """``kvguard docs``: print every generated table; ``--check [FILE]``: exit 1 when a copy in
     FILE (default docs/reference.md) is stale; ``--write [FILE]``: regenerate them there."""
     args = list(sys.argv[1:] if argv is None else argv)
+    usage = f"usage: {prog} [--check | --write] [FILE]\n"
+    if args in (["-h"], ["--help"]):
+        sys.stdout.write(
+            f"{usage}\nThe reference tables of {REFERENCE}, generated from the code.\n\n"
+            "options:\n"
+            "  (none)        print every generated table\n"
+            f"  --check FILE  exit 1 naming the sections whose copy in FILE (default {REFERENCE})"
+            " is stale\n"
+            "  --write FILE  regenerate them in FILE\n"
+        )
+        return 0
     if not args:
         for name, render in SECTIONS.items():
             sys.stdout.write(f"<!-- generated: {name} -->\n{render()}<!-- end generated -->\n\n")
         return 0
     if args[0] not in ("--check", "--write") or len(args) > 2:
-        sys.stderr.write("usage: kvguard-docs [--check | --write] [FILE]\n")
+        sys.stderr.write(usage)
         return 2
     path = Path(args[1]) if len(args) == 2 else REFERENCE
-    text = path.read_text(encoding="utf-8")
-    if args[0] == "--write":
-        missing = [n for n in SECTIONS if f"<!-- generated: {n} -->" not in text]
-        path.write_text(regenerate(text), encoding="utf-8")
-        if missing:
-            sys.stderr.write(f"{path} has no marker for: {', '.join(missing)}\n")
-            return 1
-        return 0
+    try:
+        text = path.read_text(encoding="utf-8")
+        if args[0] == "--write":
+            missing = [n for n in SECTIONS if f"<!-- generated: {n} -->" not in text]
+            path.write_text(regenerate(text), encoding="utf-8")
+            if missing:
+                sys.stderr.write(f"{path} has no marker for: {', '.join(missing)}\n")
+                return 1
+            return 0
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        fix = "run it from the repository root" if path == REFERENCE else "give a Markdown file"
+        sys.stderr.write(f"{prog}: {path}: {reason} (fix: {fix})\n")
+        return 2
     stale = stale_sections(text)
     if stale:
         sys.stderr.write(f"{path}: stale generated sections: {', '.join(stale)} (fix: {FIX})\n")
@@ -330,13 +347,20 @@ def docs_main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``kvguard-scenarios``: the tables as Markdown; ``--schema``: the JSON report's schema."""
+def main(argv: Sequence[str] | None = None, *, prog: str = "kvguard-scenarios") -> int:
+    """``kvguard scenarios``: the tables as Markdown; ``--schema``: the JSON report's schema."""
     args = sys.argv[1:] if argv is None else list(argv)
-    if args == ["--schema"]:
+    usage = f"usage: {prog} [--schema]\n"
+    if args in (["-h"], ["--help"]):
+        sys.stdout.write(
+            f"{usage}\nEach scenario's check keys, parameters and budgets, as Markdown, for "
+            "the installed version.\n\noptions:\n"
+            "  --schema  print the JSON report's schema instead\n"
+        )
+    elif args == ["--schema"]:
         sys.stdout.write(json.dumps(report_schema(), indent=2) + "\n")
     elif args:
-        sys.stderr.write("usage: kvguard-scenarios [--schema]\n")
+        sys.stderr.write(usage)
         return 2
     else:
         sys.stdout.write(scenarios_markdown())

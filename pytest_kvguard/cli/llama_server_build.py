@@ -1,4 +1,4 @@
-"""``kvguard-build-llama-server``: llama-server from the llama.cpp the installed llama-cpp-python
+"""``kvguard build-llama-server``: llama-server from the llama.cpp the installed llama-cpp-python
 vendors, so engine ``llama_server`` and engine ``llama_cpp`` run the same llama.cpp.
 
 pip installs llama-cpp-python, not llama.cpp's server. This command downloads the same
@@ -214,9 +214,9 @@ def needs_llama_server(budgets_path: Path) -> bool:
     return any("llama_server" in c.engines and not is_url(c.model.name) for c in checks)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, prog: str = "kvguard-build-llama-server") -> int:
     parser = argparse.ArgumentParser(
-        prog="kvguard-build-llama-server",
+        prog=prog,
         description="Build llama-server from the installed llama-cpp-python's own llama.cpp "
         "(with $CMAKE_ARGS; on x86-64 without them, the instruction-set pins), cache it, and "
         "install it next to this Python.",
@@ -234,7 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def say(line: str) -> None:
-        print(f"kvguard-build-llama-server: {line}", file=sys.stderr, flush=True)
+        print(f"{prog}: {line}", file=sys.stderr, flush=True)
 
     try:
         if args.only_for is not None and not needs_llama_server(args.only_for):

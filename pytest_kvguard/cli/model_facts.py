@@ -1,6 +1,6 @@
 """A model's cache-relevant facts, and what differs from a candidate, without loading weights.
 
-    kvguard-model-facts MODEL [CANDIDATE] [--json]
+    kvguard model-facts MODEL [CANDIDATE] [--json]
 
 MODEL and CANDIDATE are each a bundled model name, a .gguf file or an mlx / Hugging Face model
 folder. With a candidate: both side by side, then one line per fact that differs, and where
@@ -44,9 +44,9 @@ def model_path(value: str) -> Path:
     return ref.resolve()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, prog: str = "kvguard-model-facts") -> int:
     parser = argparse.ArgumentParser(
-        prog="kvguard-model-facts",
+        prog=prog,
         description="A model's cache-relevant facts (tokenizer BOS/EOS, chat template, sliding "
         "window, heads, rope, weight type, sha256) read without loading weights, and with a "
         "candidate, what differs.",

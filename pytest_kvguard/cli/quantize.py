@@ -1,6 +1,6 @@
 """Re-quantize a GGUF model with llama.cpp's own quantizer: a candidate for the model preview.
 
-    kvguard-quantize MODEL TYPE OUTPUT        e.g. kvguard-quantize smollm2-135m Q8_0 q8.gguf
+    kvguard quantize MODEL TYPE OUTPUT        e.g. kvguard quantize smollm2-135m Q8_0 q8.gguf
 
 MODEL is a bundled model name or a .gguf file; TYPE one of llama.cpp's file types (``Q8_0``,
 ``Q4_K_M``, ``F16``, ...). It runs ``llama_model_quantize`` from llama-cpp-python (requantizing
@@ -72,7 +72,7 @@ def quantize(source: Path, kind: str, output: Path) -> float:
         if lc.llama_model_quantize(str(source).encode(), str(partial).encode(), params) != 0:
             raise KvguardError(
                 f"llama.cpp could not quantize {source} to {kind}",
-                fix="check that the file loads (kvguard-model-facts FILE) and that there is "
+                fix="check that the file loads (kvguard model-facts FILE) and that there is "
                 f"room for {output}",
             )
         partial.replace(output)
@@ -83,9 +83,9 @@ def quantize(source: Path, kind: str, output: Path) -> float:
     return time.monotonic() - started
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, prog: str = "kvguard-quantize") -> int:
     parser = argparse.ArgumentParser(
-        prog="kvguard-quantize",
+        prog=prog,
         description="Re-quantize a GGUF model with llama.cpp's own quantizer "
         "(llama-cpp-python's llama_model_quantize): a candidate for --kvguard-against-model.",
     )

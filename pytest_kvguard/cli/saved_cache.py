@@ -1,10 +1,10 @@
-"""``kvguard-saved-cache``: can one engine release read the caches another one saved?
+"""``kvguard saved-cache``: can one engine release read the caches another one saved?
 
-    kvguard-saved-cache --writer PY --reader PY [--reader PY ...] [--engine mlx|llama_cpp]
+    kvguard saved-cache --writer PY --reader PY [--reader PY ...] [--engine mlx|llama_cpp]
                         [--kind KIND ...] [--model smollm2-135m|gemma3-270m|FILE.gguf]
 
-PY is the python of an engine environment (``kvguard-env "mlx-lm==0.31.3"`` or
-``kvguard-env "llama-cpp-python==0.3.35"`` prints one). For each kind, the writer saves the
+PY is the python of an engine environment (``kvguard env "mlx-lm==0.31.3"`` or
+``kvguard env "llama-cpp-python==0.3.35"`` prints one). For each kind, the writer saves the
 bundled chat's cache with its own calls (mlx-lm: ``save_prompt_cache``; llama-cpp-python: the
 pickled ``Llama.save_state()`` an app or ``LlamaDiskCache`` stores); each reader loads it with
 its own (``load_prompt_cache``; unpickling and ``Llama.load_state``) and, where that works,
@@ -174,21 +174,27 @@ def release(python: str, package: str, written_as: str) -> str:
 def check_matrix(
     engine: SavedEngine, writer: str, readers: Sequence[str], kinds: Sequence[str], model: Path,
     common: Sequence[str], reply_tokens: int, tolerance: Tolerance, timeout: float,
+    prog: str = PROG,
 ) -> list[dict[str, Any]]:  # fmt: skip
-    """Every kind written once by the writer and read by every reader: one row per read."""
+    """Every kind written once by the writer and read by every reader: one row per read
+    (progress on stderr, each line starting with ``prog``)."""
     versions = {py: release(py, engine.package, "--writer" if py == writer else "--reader")
                 for py in (writer, *readers)}  # fmt: skip
     name = engine.package
     rows = []
+
+    def say(message: str) -> None:
+        progress(message, prog)
+
     with tempfile.TemporaryDirectory(prefix="kvguard-saved-cache-") as folder:
         for kind in kinds:
             file = Path(folder) / f"{kind}{engine.suffix}"
             base = ["--model", str(model), "--kind", kind, *common]
-            progress(f"{name} {versions[writer]} saves a {kind} cache of {model.name}")
+            say(f"{name} {versions[writer]} saves a {kind} cache of {model.name}")
             written = run_entry(writer, engine.entry, ["write", *base, "--out", str(file)],
                                 timeout)  # fmt: skip
             if "error" in written:
-                progress(f"{kind}: the writer failed: {written['error']}")
+                say(f"{kind}: the writer failed: {written['error']}")
             for reader in readers:
                 row = {"writer": versions[writer], "reader": versions[reader], "kind": kind,
                        "model": model.name, "write": written}  # fmt: skip
@@ -196,12 +202,12 @@ def check_matrix(
                     row.update(verdict="ERROR", reason=f"writer failed: {written['error']}")
                     rows.append(row)
                     continue
-                progress(f"{name} {versions[reader]} reads it and replays the chat's next turn")
+                say(f"{name} {versions[reader]} reads it and replays the chat's next turn")
                 reading = ["read", *base, "--file", str(file), "--reply-tokens", str(reply_tokens)]
                 read = run_entry(reader, engine.entry, reading, timeout)
                 verdict, reason = judge(read, tolerance)
                 row.update(read=read, verdict=verdict, reason=reason)
-                progress(f"{kind}: {versions[writer]} -> {versions[reader]}: {verdict} {reason}")
+                say(f"{kind}: {versions[writer]} -> {versions[reader]}: {verdict} {reason}")
                 rows.append(row)
     return rows
 
@@ -226,15 +232,15 @@ def table(rows: Sequence[Mapping[str, Any]]) -> str:
     return tabulate(lines, headers=headers, disable_numparse=True)
 
 
-def progress(message: str) -> None:
-    print(f"{PROG}: {message}", file=sys.stderr, flush=True)
+def progress(message: str, prog: str = PROG) -> None:
+    print(f"{prog}: {message}", file=sys.stderr, flush=True)
 
 
 class OneLineParser(argparse.ArgumentParser):
     """Bad input is one line on stderr and exit status 2, without the usage block."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{PROG}: {message} (see {PROG} --help)\n")
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
 def count(minimum: int) -> Any:
@@ -260,8 +266,8 @@ def nats(text: str) -> float:
     return value
 
 
-def parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog=PROG, description=(__doc__ or "").splitlines()[0])
+def parser(prog: str = PROG) -> argparse.ArgumentParser:
+    p = OneLineParser(prog=prog, description=(__doc__ or "").splitlines()[0])
     p.add_argument(
         "--writer",
         required=True,
@@ -363,8 +369,8 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
+    args = parser(prog).parse_args(argv)
     from pytest_kvguard.gate.engine_pythons import check_python
     from pytest_kvguard.inputs.chats import (
         BUNDLED_TEMPLATES,
@@ -378,11 +384,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     kinds = list(dict.fromkeys(args.kind or engine.default_kinds))
     foreign = [k for k in kinds if k not in engine.kinds]
     if foreign:
-        print(f"{PROG}: --kind {foreign[0]} is not a kind of --engine {args.engine} (its kinds: "
+        print(f"{prog}: --kind {foreign[0]} is not a kind of --engine {args.engine} (its kinds: "
               f"{', '.join(engine.kinds)})", file=sys.stderr)  # fmt: skip
         return 2
     if args.sinks >= args.cap and "rotating" in kinds:
-        print(f"{PROG}: --sinks {args.sinks} leaves no room in --cap {args.cap}", file=sys.stderr)
+        print(f"{prog}: --sinks {args.sinks} leaves no room in --cap {args.cap}", file=sys.stderr)
         return 2
     try:
         writer = check_python(args.writer, "--writer")
@@ -408,9 +414,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                               args.max_reuse_excess)  # fmt: skip
         reply_tokens = args.reply_tokens or engine.reply_tokens
         rows = check_matrix(engine, writer, readers, kinds, model, common, reply_tokens,
-                            tolerance, args.timeout)  # fmt: skip
+                            tolerance, args.timeout, prog)  # fmt: skip
     except KvguardError as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
+        print(f"{prog}: {exc}", file=sys.stderr)
         return 2
     print(table(rows))
     if args.engine == "llama_cpp":

@@ -181,9 +181,9 @@ def _create(requested: Sequence[str], requirements: list[str], env_dir: Path) ->
     return python
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, prog: str = "kvguard-env") -> int:
     parser = argparse.ArgumentParser(
-        prog="kvguard-env",
+        prog=prog,
         description="Create (once) and cache a virtual environment with an engine version, for "
         "--kvguard-engine-python and --kvguard-against. Prints its python on stdout; progress "
         "goes to stderr. Uses uv where installed, else venv and pip.",
@@ -201,7 +201,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         python = create_environment(args.requirements, args.dir or default_root())
     except KvguardError as exc:
-        print(f"kvguard-env: {exc}", file=sys.stderr)
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # --dir a file, or a folder this user cannot write
+        where = f"{exc.filename}: " if exc.filename else ""
+        folder = isinstance(exc, (FileExistsError, NotADirectoryError))
+        reason = "not a folder" if folder else exc.strerror or str(exc)
+        print(f"{prog}: {where}{reason} (fix: give --dir a folder you can write)", file=sys.stderr)
         return 1
     print(python)
     return 0
