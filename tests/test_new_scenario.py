@@ -138,8 +138,10 @@ def test_fill(kvguard):
     test_file = "test_a_new_scenario_runs_from_yaml_and_the_fixture.py"
     result = gate.runpytest("--kvguard", "budgets.yaml", test_file, "--kvguard-json", "r.json")
     result.assert_outcomes(passed=2)
-    result.stdout.fnmatch_lines(["check * policy * tokens * held * budget * verdict",
-                                 "fill-window * window/64 * 300 * 64 * kv<=64, unheld<=236 * PASS"])  # fmt: skip
+    result.stdout.fnmatch_lines(
+        ["check * policy * tokens * held * budget * verdict",
+         "fill-window * window/64 * 300 * 64 * kv<=64, unheld<=236 * PASS"]
+    )  # fmt: skip
     import jsonschema
 
     report = json.loads((gate.path / "r.json").read_text())
