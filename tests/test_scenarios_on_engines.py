@@ -23,8 +23,7 @@ import yaml
 from gate_invariants import SERVED_AGREEMENTS, assert_agreements, assert_row_holds
 
 from pytest_kvguard.gate.budgets_file import load_budgets_file
-from pytest_kvguard.gate.engine_pythons import Environments
-from pytest_kvguard.plugin.session import ENVIRONMENTS_KEY, run_gated, sendable, session_pool
+from pytest_kvguard.plugin.session import KvguardSession, sendable
 from pytest_kvguard.scenarios.base import Check
 
 ENGINE_CHECKS = Path(__file__).with_name("engine_checks.yaml")
@@ -70,15 +69,16 @@ CHECK_PARAMS = [
 def planned(pytestconfig: pytest.Config) -> None:
     """The session's engine worker learns every check first, so runs that can decode
     together do, whichever test asks first."""
-    environments = pytestconfig.stash.get(ENVIRONMENTS_KEY, Environments())
-    worker = session_pool(pytestconfig).worker(environments.python_for(("llama_cpp", "mlx")))
+    session = KvguardSession.of(pytestconfig)
+    worker = session.pool.worker(session.environments.python_for(("llama_cpp", "mlx")))
     worker.add_plan([sendable(check) for check in engine_checks().values()])
 
 
 def row_of(config: pytest.Config, name: str) -> dict[str, Any]:
     """The check's JSON row as --kvguard-json writes it, run once per session."""
     if name not in ROWS:
-        ROWS[name] = json.loads(json.dumps(run_gated(config, engine_checks()[name]).to_json()))
+        outcome = KvguardSession.of(config).run(engine_checks()[name]).outcome
+        ROWS[name] = json.loads(json.dumps(outcome.to_json()))
     return ROWS[name]
 
 

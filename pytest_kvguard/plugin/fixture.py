@@ -4,7 +4,9 @@
 keys ``engine``, ``engines``, ``model``, ``policy`` and ``baseline`` and the scenario's
 parameters as keywords, and builds the check exactly as a budgets-file entry with the same keys
 would be built (same parameter table, same defaults, same validation). ``FIXTURE_DEFAULTS``
-plays the part of a budgets file's ``defaults:``.
+plays the part of a budgets file's ``defaults:``. The session judges each run as it judges a
+budgets-file check (``KvguardSession.judge``); the test's marker applies the verdicts once the
+test body passed (the ``pytest_runtest_makereport`` hook).
 """
 
 from __future__ import annotations
@@ -18,10 +20,9 @@ import pytest
 from pytest_kvguard.core.budgets import Budgets
 from pytest_kvguard.core.errors import KvguardError
 from pytest_kvguard.gate.checks import Written, build_check
-from pytest_kvguard.gate.engine_pythons import Environments
 from pytest_kvguard.gate.outcome import CheckError, Outcome
 from pytest_kvguard.isolation.workers import WorkerLost, failure_text
-from pytest_kvguard.plugin.session import ENVIRONMENTS_KEY, record, record_error, run_gated
+from pytest_kvguard.plugin.session import KvguardSession
 from pytest_kvguard.scenarios import SCENARIOS
 
 FIXTURE_DEFAULTS = {"engine": "llama_cpp", "engines": ["llama_cpp", "mlx"], "model": "smollm2-135m"}
@@ -54,6 +55,7 @@ class KvguardFixture:
     def run(self, scenario: str, **settings: Any) -> Outcome:
         """Run ``scenario`` for this test under its kv_budget marker, and record the figures."""
         node = self._request.node
+        session = KvguardSession.of(node.config)
         given = {k: v for k, v in settings.items() if v is not None}  # None: not given
         entry = Written.plain(
             {
@@ -70,21 +72,19 @@ class KvguardFixture:
                 base_dir=node.path.parent,
                 where=node.nodeid,
                 marker_budgets=self.budgets,
-                installed_elsewhere=frozenset(
-                    node.config.stash.get(ENVIRONMENTS_KEY, Environments()).python
-                ),
+                installed_elsewhere=frozenset(session.environments.python),
             )
         except KvguardError as exc:  # the test's own call is wrong: no check to report
             error = f"{node.nodeid}: {exc}"
         else:
             try:
-                outcome = run_gated(node.config, check)
+                verdict = session.run(check)
             except KvguardError as exc:  # a lost worker too: a row that says so, and the cause
                 lost = isinstance(exc, WorkerLost)
                 text = f"{node.nodeid}: {exc}"
-                record_error(node, CheckError(check.name, text, scenario, lost=lost))
+                session.record_error(node, CheckError(check.name, text, scenario, lost=lost))
                 error = failure_text(exc, text)
             else:
-                record(node, outcome)
-                return outcome
+                session.record(node, verdict)
+                return verdict.outcome
         pytest.fail(error, pytrace=False)  # outside the except: no chained traceback

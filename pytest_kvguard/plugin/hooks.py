@@ -1,7 +1,9 @@
 """pytest hooks for kvguard: options, marker, fixtures, collection, report hooks. Nothing else.
 
 The logic lives in plain modules (``checks``, ``runner``, ``scenarios``, ``report``); the
-items, fixture and reporter in ``items``, ``fixture`` and ``reporter``.
+items, fixture and reporter in ``items``, ``fixture`` and ``reporter``; what the session shares,
+and the judging of every check, in its ``KvguardSession`` (``session``), built here at
+pytest_configure and finished at pytest_sessionfinish.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pytest_kvguard.core.errors import KvguardError
 from pytest_kvguard.engines import ENGINES, installed_version
 from pytest_kvguard.engines.blas import preload_openblas
 from pytest_kvguard.engines.model_usable import check_model_usable
-from pytest_kvguard.gate.baseline import load_baseline
+from pytest_kvguard.gate.baseline import Baseline, load_baseline
 from pytest_kvguard.gate.budgets_file import BudgetsFile, load_budgets_file
 from pytest_kvguard.gate.engine_pythons import (
     EVERY_ENGINE,
@@ -28,6 +30,7 @@ from pytest_kvguard.gate.engine_pythons import (
 )
 from pytest_kvguard.gate.faults import fault
 from pytest_kvguard.gate.model_preview import (
+    FactsDiff,
     ModelSwap,
     check_swaps,
     facts_diff,
@@ -49,21 +52,8 @@ from pytest_kvguard.plugin.options import (
     setting,
     timeout_setting,
 )
-from pytest_kvguard.plugin.reporter import KvguardReporter, baseline_warning
-from pytest_kvguard.plugin.session import (
-    BASELINE_KEY,
-    BUDGETS_KEY,
-    ENVIRONMENTS_KEY,
-    FACTS_DIFFS_KEY,
-    FAULT_KEY,
-    MODEL_SWAPS_KEY,
-    OUTCOMES_KEY,
-    PLAN_KEY,
-    POOL_KEY,
-    RUNNER_KEY,
-    TIMEOUT_KEY,
-    session_runner,
-)
+from pytest_kvguard.plugin.reporter import KvguardReporter
+from pytest_kvguard.plugin.session import KvguardSession
 
 REPORTER = "kvguard-reporter"
 
@@ -100,13 +90,13 @@ def pytest_configure(config: pytest.Config) -> None:
             fault(fault_name)  # injected in the engine workers, never in this process
         except KvguardError as exc:
             raise pytest.UsageError(f"fault '{fault_name}': {exc}") from None
-        config.stash[FAULT_KEY] = fault_name
-    config.stash[TIMEOUT_KEY] = timeout_setting(config)
+    timeout = timeout_setting(config)
     budgets_file = None
+    baseline: Baseline | None = None
     try:
         baseline_path = path_setting(config, "kvguard_baseline")
         if baseline_path is not None:
-            config.stash[BASELINE_KEY] = load_baseline(baseline_path)
+            baseline = load_baseline(baseline_path)
         budgets_path = path_setting(config, "kvguard_budgets")
         command_line = _command_line_environments(config)
         if budgets_path is not None:
@@ -123,22 +113,31 @@ def pytest_configure(config: pytest.Config) -> None:
         if budgets_file is not None:
             _check_models_usable(budgets_file, here)
         swaps = _model_swaps(config, budgets_file, here)
+        facts_diffs = _facts_diffs(swaps)
     except KvguardError as exc:
         raise pytest.UsageError(str(exc)) from None
     judged_against = [name for name, given in [
         ("--kvguard-against", bool(environments.against)),
         ("--kvguard-against-model", bool(swaps)),
-        ("--kvguard-baseline", BASELINE_KEY in config.stash),
+        ("--kvguard-baseline", baseline is not None),
     ] if given]  # fmt: skip
     if len(judged_against) > 1:
         raise pytest.UsageError(
             f"{' and '.join(judged_against)} each give the run something to be judged "
             "against (fix: use one of them)"
         )
-    config.stash[ENVIRONMENTS_KEY] = environments
+    KvguardSession(
+        config,
+        budgets_file=budgets_file,
+        baseline=baseline,
+        environments=environments,
+        model_swaps=swaps,
+        facts_diffs=facts_diffs,
+        fault=fault_name or None,
+        timeout=timeout,
+    ).attach()
     if budgets_file is None or budgets_path is None:
         return
-    config.stash[BUDGETS_KEY] = budgets_file
     # Without explicit test paths the gate runs only its checks, not the project's testpaths.
     collect = str(budgets_path.resolve())
     if config.args_source != pytest.Config.ArgsSource.ARGS:
@@ -167,8 +166,7 @@ def _model_swaps(
     config: pytest.Config, budgets_file: BudgetsFile | None, here: list[str]
 ) -> list[ModelSwap]:
     """The model preview's swaps, each checked (a candidate the checks' engines cannot load is
-    one line now), with each one's facts diff stashed for the header and the JSON report
-    (read now, before any run)."""
+    one line now)."""
     given = list_setting(config, "kvguard_against_model")
     # Command-line paths are relative to the current directory, ini lines to rootdir.
     on_command_line = bool(config.getoption("kvguard_against_model"))
@@ -190,9 +188,12 @@ def _model_swaps(
                     check_model_usable(swap.candidate, check.engines, here)
                 except KvguardError as exc:
                     raise KvguardError(f"{swap.given}: candidate {exc}") from None
-    config.stash[MODEL_SWAPS_KEY] = swaps
-    config.stash[FACTS_DIFFS_KEY] = [facts_diff(swap) for swap in swaps]
     return swaps
+
+
+def _facts_diffs(swaps: list[ModelSwap]) -> list[FactsDiff]:
+    """Each swap's facts diff, for the header and the JSON report (read now, before any run)."""
+    return [facts_diff(swap) for swap in swaps]
 
 
 def _command_line_environments(config: pytest.Config) -> Environments:
@@ -207,13 +208,14 @@ def _command_line_environments(config: pytest.Config) -> Environments:
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
     lines = []
-    if FAULT_KEY in config.stash:
-        chosen = fault(str(setting(config, "kvguard_inject_fault")))
+    session = KvguardSession.of(config)
+    if session.fault:
+        chosen = fault(session.fault)
         lines.append(
             f"kvguard FAULT INJECTED: {chosen.name} ({chosen.engine}: {chosen.what}); "
             "this run is expected to fail"
         )
-    environments = config.stash.get(ENVIRONMENTS_KEY, Environments())
+    environments = session.environments
     for engine, python in sorted(environments.python.items()):
         version = version_in(python, engine) or "not installed there"
         lines.append(f"kvguard engine environment: {engine} {version} runs in {python}")
@@ -221,18 +223,18 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         names = [engine] if engine != EVERY_ENGINE else list(ENGINES)
         found = ", ".join(f"{n} {version_in(python, n) or 'not installed'}" for n in names)
         lines.append(f"kvguard upgrade preview: every check also runs against {found} ({python})")
-    for diff in config.stash.get(FACTS_DIFFS_KEY, []):
+    for diff in session.facts_diffs:
         lines.extend(diff.lines())
-    baseline = config.stash.get(BASELINE_KEY, None)
+    baseline = session.baseline
     if baseline is not None:
         lines.append(
             f"kvguard baseline: {baseline.path} ({len(baseline.checks)} checks, "
             f"saved {baseline.report.get('created', 'at an unknown time')})"
         )
-        warning = baseline_warning(config)
+        warning = session.baseline_warning()
         if warning:
             lines.append(warning)
-    budgets_file = config.stash.get(BUDGETS_KEY, None)
+    budgets_file = session.budgets_file
     if budgets_file is not None:
         lines.append(
             f"kvguard: budgets {budgets_file.path} ({len(budgets_file.checks)} checks, "
@@ -255,7 +257,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 
 def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Collector | None:
-    budgets_file = parent.config.stash.get(BUDGETS_KEY, None)
+    budgets_file = KvguardSession.of(parent.config).budgets_file
     if budgets_file is not None and file_path.resolve() == budgets_file.path.resolve():
         collector: BudgetsCollector = BudgetsCollector.from_parent(parent, path=file_path)
         return collector
@@ -265,7 +267,7 @@ def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Col
 @pytest.fixture(scope="session")
 def kvguard_runner(pytestconfig: pytest.Config) -> Runner:
     """The session's runner: engines load once per model, runs are reused across tests."""
-    return session_runner(pytestconfig)
+    return KvguardSession.of(pytestconfig).runner
 
 
 @pytest.fixture
@@ -300,54 +302,47 @@ def _checks_in_file_order(items: list[pytest.Item]) -> None:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     checks = [i for i in session.items if isinstance(i, CheckItem)]
-    reporter = session.config.pluginmanager.get_plugin(REPORTER)
+    kvguard = KvguardSession.of(session.config)
     # --collect-only runs nothing: no check is expected to have run.
-    if reporter is not None and not session.config.option.collectonly:
-        reporter.expect([i.nodeid for i in checks])
+    if not session.config.option.collectonly:
+        kvguard.expect([i.nodeid for i in checks])
     # Under xdist each worker runs a share of the checks it collected: no plan there.
     if not hasattr(session.config, "workerinput"):
-        session.config.stash[PLAN_KEY] = [i.check for i in checks]
+        kvguard.plan = [i.check for i in checks]
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
     """On the xdist controller: the checks the workers collected are the ones expected."""
     config = node.config
-    budgets_file = config.stash.get(BUDGETS_KEY, None)
-    reporter = config.pluginmanager.get_plugin(REPORTER)
-    if budgets_file is None or reporter is None or config.option.collectonly:
+    kvguard = KvguardSession.of(config)
+    budgets_file = kvguard.budgets_file
+    if budgets_file is None or config.option.collectonly:
         return
     target = budgets_file.path.resolve()
-    reporter.expect([i for i in ids if (config.rootpath / i.split("::")[0]).resolve() == target])
+    kvguard.expect([i for i in ids if (config.rootpath / i.split("::")[0]).resolve() == target])
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
-    """A marked test fails with one line when a scenario it ran broke the marker's budgets."""
+    """A marked test fails with one line when a scenario it ran failed the session's judgement
+    (``KvguardSession.judge``: the marker's budgets, a regression), or when it ran none."""
     report = yield
     if call.when != "call" or not report.passed or isinstance(item, CheckItem):
         return report
     if item.get_closest_marker("kv_budget") is None:
         return report
-    outcomes = item.stash.get(OUTCOMES_KEY, [])
-    if not outcomes:
+    failure = KvguardSession.of(item.config).judge_marked_test(item)
+    if failure is not None:
         report.outcome = "failed"
-        report.longrepr = (
-            "kv_budget marker, but the test ran no kvguard scenario (fix: call kvguard.stream(...))"
-        )
-    broken = [v for o in outcomes for v in o.violations]
-    if broken:
-        report.outcome = "failed"
-        report.longrepr = "; ".join(broken)
+        report.longrepr = failure
     return report
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    runner = session.config.stash.get(RUNNER_KEY, None)
-    if runner is not None:
-        runner.close()
-    pool = session.config.stash.get(POOL_KEY, None)
-    if pool is not None:
-        pool.close()
+    """The kvguard session's end, before the reporter's: its session-level failures become the
+    exit status, its engines close."""
+    KvguardSession.of(session.config).finish(session)

@@ -10,7 +10,7 @@ import pytest
 from pytest_kvguard.core.errors import KvguardError
 from pytest_kvguard.gate.outcome import CheckError
 from pytest_kvguard.isolation.workers import WorkerLost, failure_text
-from pytest_kvguard.plugin.session import BUDGETS_KEY, record, record_error, run_gated
+from pytest_kvguard.plugin.session import KvguardSession
 from pytest_kvguard.scenarios.base import Check
 
 
@@ -18,7 +18,8 @@ class BudgetsCollector(pytest.File):
     """Collects the checks of the session's budgets file."""
 
     def collect(self) -> Any:
-        for check in self.config.stash[BUDGETS_KEY].checks:
+        budgets_file = KvguardSession.of(self.config).budgets_file
+        for check in budgets_file.checks if budgets_file else []:
             yield CheckItem.from_parent(self, name=check.name, check=check)
 
 
@@ -27,7 +28,7 @@ class CheckFailed(Exception):
 
 
 class CheckItem(pytest.Item):
-    """One check from the budgets file."""
+    """One check from the budgets file, judged by the session (``KvguardSession.judge``)."""
 
     def __init__(self, *, check: Check[Any], **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -37,21 +38,17 @@ class CheckItem(pytest.Item):
 
     def runtest(self) -> None:
         check = self.check
+        session = KvguardSession.of(self.config)
         try:
-            outcome = run_gated(self.config, check)
+            verdict = session.run(check)
         except KvguardError as exc:
             message = str(exc) if exc.path else f"{check.where}: {exc}"
             lost = isinstance(exc, WorkerLost)
-            record_error(self, CheckError(check.name, message, check.scenario, lost=lost))
+            session.record_error(self, CheckError(check.name, message, check.scenario, lost=lost))
             raise KvguardError(failure_text(exc, message)) from None
-        record(self, outcome)
-        if outcome.verdict == "FAIL":
-            raise CheckFailed(f"{'; '.join(outcome.violations)} [{check.where}]")
-        if outcome.verdict == "MISSED":
-            raise CheckFailed(
-                f"negative control not caught: {outcome.policy} stayed within "
-                f"{outcome.budget_text} ({check.reason}) [{check.where}]"
-            )
+        session.record(self, verdict)
+        if verdict.failure is not None:
+            raise CheckFailed(f"{verdict.failure} [{check.where}]")
 
     def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> Any:
         if isinstance(excinfo.value, (CheckFailed, KvguardError)):

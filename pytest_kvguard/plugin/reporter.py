@@ -1,12 +1,14 @@
 """The session's end: the table, the JSON report, the plots and the GitHub step summary.
 
 Rows arrive on test reports, so this works on the xdist controller, which runs no check; it is
-registered on the controller (or a plain session) only, so a run writes each output once.
+registered on the controller (or a plain session) only, so a run writes each output once. The
+rows, the checks expected and the session-level failures are the ``KvguardSession``'s; this
+module prints and writes them. A model preview that compared nothing fails the session through
+``KvguardSession.fail`` (pytest's exit status), never through a failed-test count.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -16,10 +18,10 @@ import pytest
 
 from pytest_kvguard.gate.baseline import render_preview
 from pytest_kvguard.gate.model_preview import FactsDiff
-from pytest_kvguard.gate.outcome import CheckError, Outcome, Row, row_from_json
+from pytest_kvguard.gate.outcome import CheckError, Outcome
 from pytest_kvguard.gate.plot import write_plots
 from pytest_kvguard.gate.report import build_report, machine, render_table, step_summary, write_json
-from pytest_kvguard.plugin.session import BASELINE_KEY, BUDGETS_KEY, FACTS_DIFFS_KEY, PROPERTY
+from pytest_kvguard.plugin.session import KvguardSession
 from pytest_kvguard.scenarios import SCENARIOS
 
 
@@ -35,67 +37,55 @@ def _previewed_here(diff: FactsDiff, outcomes: list[Outcome]) -> bool:
     )
 
 
-def baseline_warning(config: pytest.Config) -> str | None:
-    """Said loudly: a baseline from another kind of machine is compared all the same."""
-    baseline = config.stash.get(BASELINE_KEY, None)
-    differences = baseline.differences(machine()) if baseline else []
-    if not differences:
-        return None
+def uncompared_line(diff: FactsDiff) -> str:
+    """Why a run whose model preview compared nothing fails."""
     return (
-        "kvguard WARNING: the baseline comes from a different machine ("
-        + "; ".join(differences)
-        + "): figures may move for that reason alone"
+        f"kvguard: model preview compared nothing on {diff.candidate}: no selected check on "
+        f"{diff.model} ran on it (fix: select checks on {diff.model} whose engines can load "
+        "the candidate; a check that ran on the model alone says why in its row)"
     )
 
 
 class KvguardReporter:
-    """Collects every check's row as reports arrive, then prints the table and writes files."""
+    """Hands every check's row to the session as reports arrive, then prints the table and
+    writes files."""
 
     def __init__(self, config: pytest.Config, json_path: Path | None, plot: bool) -> None:
         self.config = config
-        self.rows: dict[str, list[Row]] = {}
-        self.expected: set[str] = set()
-        """Node ids of the budgets-file checks collected (here or on the xdist workers)."""
         self.json_path = json_path
         self.plot = plot
         self.json_error: str | None = None
         self.plot_paths: list[Path] = []
         self.counted_diffs: list[FactsDiff] | None = None
         """The model preview's facts diffs with ``compared_checks``, once the checks ran."""
-        self.uncompared: list[FactsDiff] = []
-        """The model preview's swaps nothing was compared on (set at session end)."""
 
-    def expect(self, node_ids: list[str]) -> None:
-        self.expected.update(node_ids)
+    @property
+    def session(self) -> KvguardSession:
+        return KvguardSession.of(self.config)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        rows = [row_from_json(json.loads(str(v))) for k, v in report.user_properties
-                if k == PROPERTY]  # fmt: skip
-        if rows and (report.when == "call" or report.failed):
-            self.rows[report.nodeid] = rows
-
-    def all_rows(self) -> list[Row]:
-        return [row for rows in self.rows.values() for row in rows]
-
-    def missing(self) -> list[str]:
-        return sorted(self.expected - self.rows.keys())
+        self.session.add_rows(report)
 
     @pytest.hookimpl(trylast=True)
-    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        """The step summary and the JSON report, with the exit status as the kvguard session
+        left it (``KvguardSession.finish`` ran first)."""
         if self.config.option.collectonly:
             return  # nothing ran: a report would read as a gate run with no check in it
-        self._write_step_summary(int(exitstatus))
+        exitstatus = int(session.exitstatus)
+        self._write_step_summary(exitstatus)
         if self.json_path is None:
             return
-        budgets_file = self.config.stash.get(BUDGETS_KEY, None)
-        baseline = self.config.stash.get(BASELINE_KEY, None)
-        rows = self.all_rows()
+        kvguard = self.session
+        budgets_file = kvguard.budgets_file
+        baseline = kvguard.baseline
+        rows = kvguard.all_rows()
         report = build_report(
             rows,
             budgets_file=str(budgets_file.path) if budgets_file else None,
             budgets_sha256=budgets_file.sha256 if budgets_file else None,
-            missing_checks=self.missing(),
-            exitstatus=int(exitstatus),
+            missing_checks=kvguard.missing(),
+            exitstatus=exitstatus,
             baseline=None
             if baseline is None
             else {"path": str(baseline.path), "differences": baseline.differences(machine())},
@@ -111,47 +101,41 @@ class KvguardReporter:
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtestloop(self, session: pytest.Session) -> Any:
-        """After the last check: a model preview that compared nothing counts as a failure
-        (so every later hook and pytest's exit code see it), when nothing else failed."""
+        """After the last check: a model preview that compared nothing fails the session
+        (``KvguardSession.fail``: pytest's exit status, set before any other sessionfinish
+        hook reads it), when no test failed."""
         result = yield
-        outcomes = [row for row in self.all_rows() if isinstance(row, Outcome)]
+        kvguard = self.session
+        outcomes = [row for row in kvguard.all_rows() if isinstance(row, Outcome)]
         self.counted_diffs = diffs = [
             replace(diff, compared_checks=sum(
                 1 for row in outcomes
                 if row.against and _same_path(row.model_path, diff.candidate_path)
             ))
-            for diff in self.config.stash.get(FACTS_DIFFS_KEY, [])
+            for diff in kvguard.facts_diffs
         ]  # fmt: skip
         if not session.testsfailed:
-            self.uncompared = [diff for diff in diffs if not diff.compared_checks
-                               and _previewed_here(diff, outcomes)]  # fmt: skip
-            session.testsfailed += len(self.uncompared)
+            for diff in diffs:
+                if not diff.compared_checks and _previewed_here(diff, outcomes):
+                    kvguard.fail(uncompared_line(diff))
         return result
 
     def facts_diffs(self) -> list[FactsDiff]:
         """The model preview's facts diffs: counted, once the checks ran."""
         if self.counted_diffs is not None:
             return self.counted_diffs
-        diffs: list[FactsDiff] = self.config.stash.get(FACTS_DIFFS_KEY, [])
-        return diffs
-
-    def uncompared_lines(self) -> list[str]:
-        return [
-            f"kvguard: model preview compared nothing on {diff.candidate}: no selected check on "
-            f"{diff.model} ran on it (fix: select checks on {diff.model} whose engines can load "
-            "the candidate; a check that ran on the model alone says why in its row)"
-            for diff in self.uncompared
-        ]
+        return self.session.facts_diffs
 
     def _write_step_summary(self, exitstatus: int) -> None:
         """On GitHub Actions ($GITHUB_STEP_SUMMARY set): the tables as Markdown, appended."""
         target = os.environ.get("GITHUB_STEP_SUMMARY")
-        rows = self.all_rows()
-        if not target or not (rows or self.expected):
+        kvguard = self.session
+        rows = kvguard.all_rows()
+        if not target or not (rows or kvguard.expected):
             return
-        text = step_summary(rows, exitstatus=exitstatus, missing=self.missing(),
-                            warning="; ".join(filter(None, [baseline_warning(self.config),
-                                                            *self.uncompared_lines()])) or None,
+        text = step_summary(rows, exitstatus=exitstatus, missing=kvguard.missing(),
+                            warning="; ".join(filter(None, [kvguard.baseline_warning(),
+                                                            *kvguard.failures])) or None,
                             preview=render_preview(rows, fmt="github"))  # fmt: skip
         try:
             with open(target, "a", encoding="utf-8") as summary:
@@ -160,8 +144,9 @@ class KvguardReporter:
             self.json_error = f"cannot append to $GITHUB_STEP_SUMMARY {target}: {exc.strerror}"
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
-        rows = self.all_rows()
-        warning = baseline_warning(self.config)
+        kvguard = self.session
+        rows = kvguard.all_rows()
+        warning = kvguard.baseline_warning()
         if warning:
             terminalreporter.write_line(warning, yellow=True, bold=True)
         changes: dict[str, int] = {}
@@ -203,9 +188,9 @@ class KvguardReporter:
                 "worker was restarted for the others): " + ", ".join(lost),
                 red=True,
             )
-        for line in self.uncompared_lines():
+        for line in kvguard.failures:
             terminalreporter.write_line(line, red=True)
-        missing = self.missing()
+        missing = kvguard.missing()
         if missing:
             terminalreporter.write_line(
                 f"kvguard: {len(missing)} check(s) collected but never ran: " + ", ".join(missing),
