@@ -113,6 +113,10 @@ class EngineInfo:
     companions: str | None = None
     """``module:function``, ``function(requested distribution names) -> requirements``: what
     ``kvguard-env`` installs with this engine's distribution besides it."""
+    prepare: str | None = None
+    """``module:function``, ``function() -> str``: readies the pytest process before any test
+    module can import the engine (mlx: OpenBLAS preloaded); it returns the session header's
+    line for the engine. Called where the engine is installed; imports no engine."""
     architecture_probe: str | None = None
     """``module:function``, ``function(path) -> reason | None``: the engine's own refusal of
     a user's GGUF file, asked before any run where the engine runs in the pytest process."""
@@ -222,6 +226,17 @@ def installed_version(name: str) -> str | None:
         return importlib.metadata.version(engine_info(name).distribution)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def prepare_engine(name: str) -> str | None:
+    """Run the adapter's ``prepare`` (once is enough; it may be called again), where it has one
+    and the engine is installed here; its header line, or None."""
+    info = engine_info(name)
+    if info.prepare is None or importlib.util.find_spec(info.import_name) is None:
+        return None
+    module, _, function = info.prepare.partition(":")
+    line: str = getattr(importlib.import_module(module), function)()
+    return line
 
 
 def load_engine(name: str, model_path: Path | str, options: EngineOptions) -> Engine:

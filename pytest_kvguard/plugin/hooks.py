@@ -8,7 +8,6 @@ pytest_configure and finished at pytest_sessionfinish.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Generator
 from pathlib import Path
 from typing import Any
@@ -18,8 +17,8 @@ import pytest
 from pytest_kvguard.core.budgets import Budgets
 from pytest_kvguard.core.errors import KvguardError
 from pytest_kvguard.engines import ENGINES, installed_version
-from pytest_kvguard.engines.blas import preload_openblas
 from pytest_kvguard.engines.model_usable import check_model_usable
+from pytest_kvguard.engines.registry import prepare_engine
 from pytest_kvguard.gate.baseline import Baseline, load_baseline
 from pytest_kvguard.gate.budgets_file import BudgetsFile, load_budgets_file
 from pytest_kvguard.gate.engine_pythons import (
@@ -68,8 +67,8 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers",
         f"kv_budget(*, {signature}): budgets the test's kvguard scenario results must stay within.",
     )
-    if importlib.util.find_spec("mlx") is not None:
-        preload_openblas()  # before any test module can import mlx; cheap, imports no engine
+    for engine in ENGINES:
+        prepare_engine(engine)  # before any test module can import it; imports no engine
     json_path = path_setting(config, "kvguard_json")
     if plot_enabled(config):
         if json_path is None:
@@ -251,8 +250,9 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
            or "none installed")
     )  # fmt: skip
     lines.extend(f"kvguard model: {name} = {path}" for name, path in models.items())
-    if "mlx" in engines and installed_version("mlx"):
-        lines.append(f"kvguard mlx BLAS: {preload_openblas()}")
+    for engine in engines:
+        if installed_version(engine) and (prepared := prepare_engine(engine)) is not None:
+            lines.append(f"kvguard {engine} {prepared}")
     return lines
 
 

@@ -31,6 +31,7 @@ ADAPTER = EngineInfo(
     kv_precision_paths=("feed", "reads_attention"),
     kv_size="pytest_kvguard.engines.mlx.kv_size",
     companions=f"{__name__}:companions",
+    prepare="pytest_kvguard.engines.mlx.blas:prepare",
 )
 
 

@@ -8,7 +8,7 @@ one cache inside its request handler, which cannot be called on its own."""
 
 from __future__ import annotations
 
-from pytest_kvguard.engines.blas import preload_openblas
+from pytest_kvguard.engines.mlx.blas import preload_openblas
 
 BLAS_PATH = preload_openblas()
 

@@ -12,7 +12,7 @@ attention the engine ran shows as a reconstruction error.
 
 from __future__ import annotations
 
-from pytest_kvguard.engines.blas import preload_openblas
+from pytest_kvguard.engines.mlx.blas import preload_openblas
 
 preload_openblas()
 

@@ -4,7 +4,7 @@ chunk's queries can see."""
 
 from __future__ import annotations
 
-from pytest_kvguard.engines.blas import preload_openblas
+from pytest_kvguard.engines.mlx.blas import preload_openblas
 
 BLAS_PATH = preload_openblas()
 

@@ -5,12 +5,12 @@ keep=0)``; swa = the model's own ``make_cache()``; engine_default =
 ``make_prompt_cache(model, max_kv_size=cap)`` exactly as mlx-lm users call it. mlx-lm stores keys
 already rotated at their absolute position, so positions are always ``absolute``.
 
-On Linux, OpenBLAS is preloaded before mlx where installed (see ``engines/blas.py``).
+On Linux, OpenBLAS is preloaded before mlx where installed (see ``engines/mlx/blas.py``).
 """
 
 from __future__ import annotations
 
-from pytest_kvguard.engines.blas import preload_openblas
+from pytest_kvguard.engines.mlx.blas import preload_openblas
 
 BLAS_PATH = preload_openblas()
 

@@ -60,7 +60,7 @@ def versions() -> dict[str, str]:
             found[name.replace("-", "_")] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             found[name.replace("-", "_")] = "not installed"
-    blas = sys.modules.get("pytest_kvguard.engines.blas")
+    blas = sys.modules.get("pytest_kvguard.engines.mlx.blas")
     if blas is not None:
         found["blas"] = blas.preload_openblas()
     return found

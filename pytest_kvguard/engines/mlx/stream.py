@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pytest_kvguard.engines.blas import preload_openblas
+from pytest_kvguard.engines.mlx.blas import preload_openblas
 
 BLAS_PATH = preload_openblas()
 

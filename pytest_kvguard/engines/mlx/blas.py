@@ -35,3 +35,9 @@ def _choose() -> str:
         return "mlx's bundled reference BLAS (slow: apt install libopenblas0-pthread)"
     ctypes.CDLL(library, mode=ctypes.RTLD_GLOBAL)
     return f"OpenBLAS ({library}), preloaded"
+
+
+def prepare() -> str:
+    """The mlx adapter's ``prepare``: OpenBLAS preloaded before mlx can be imported, and the
+    session header's words for it."""
+    return f"BLAS: {preload_openblas()}"
