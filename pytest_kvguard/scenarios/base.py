@@ -155,10 +155,14 @@ class Fields:
         value: str | None = self.params.get("positions")
         return engine_info(self.engine).native_positions if value is None else value
 
-    def policy_of(self, key: str, kind: str, *, with_params: bool = True) -> Policy:
+    def policy_of(
+        self, key: str, kind: str, *, with_params: bool = True, checkpoints: int = 0,
+        checkpoint_step: int = DEFAULT_CHECKPOINT_STEP,
+    ) -> Policy:  # fmt: skip
         """The policy ``kind`` with this check's cap, sinks, positions and eviction step (with
-        ``with_params=False``: none of them), which every engine of the check must implement
-        on the scenario's engine path; errors point at ``key``."""
+        ``with_params=False``: none of them), and the SWA checkpoints a scenario that keeps
+        them passes, which every engine of the check must implement on the scenario's engine
+        path; errors point at ``key``."""
         p = self.params if with_params else {}
         # Only the judged policy takes the KV precision: a baseline keeps full precision.
         precision = {q.name: p[q.name] for q in KV_PRECISION if key == "policy" and q.name in p}
@@ -167,16 +171,11 @@ class Fields:
                 for engine in self.engines:
                     check_policy_kind(engine, kind, self.engine_path, self.scenario)
             policy = make_policy(
-                kind,
-                cap=p.get("cap"),
-                sinks=p.get("sinks"),
+                kind, cap=p.get("cap"), sinks=p.get("sinks"),
                 positions=self.positions() if with_params else "reindexed",
-                evict_step=p.get("evict_step", 1),
-                checkpoints=p.get("checkpoints", 0),
-                checkpoint_step=p.get("checkpoint_step", DEFAULT_CHECKPOINT_STEP),
-                chunk=p.get("chunk", 1),
-                **precision,
-            )
+                evict_step=p.get("evict_step", 1), checkpoints=checkpoints,
+                checkpoint_step=checkpoint_step, chunk=p.get("chunk", 1), **precision,
+            )  # fmt: skip
             for engine in self.engines:
                 check_policy(engine, policy, self.engine_path, self.scenario)
         except KvguardError as exc:

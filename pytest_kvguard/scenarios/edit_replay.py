@@ -248,7 +248,10 @@ class EditReplayScenario(Scenario[ReplaySpec]):
                 fix=f"drop params.api_state, or use engine {' or '.join(keeping)} with via: api",
                 key="params.api_state",
             )
-        policy = fields.policy_of("policy", fields.policy or "")
+        policy = fields.policy_of(
+            "policy", fields.policy or "", checkpoints=p["checkpoints"],
+            checkpoint_step=p["checkpoint_step"],
+        )  # fmt: skip
         if policy.checkpoints and engine_info(fields.engine).remote:
             raise KvguardError(
                 f"engine {fields.engine} talks to a running server whose checkpoints are its own "
