@@ -134,7 +134,7 @@ def test_capacity_help_through_the_console_script() -> None:
         (["capacity", "config.json", "--contexts", "0"], "argument --contexts: must be lengths"),
         (["compare", "missing.json", "missing.json"], "kvguard compare: missing.json: cannot read"),
         (["docs", "--check", "missing.md"], "kvguard docs: missing.md: No such file"),
-        (["scenarios", "--nope"], "usage: kvguard scenarios [--schema]"),
+        (["scenarios", "--nope"], "kvguard scenarios: error: unrecognized arguments: --nope"),
         (["model-facts", "missing.gguf"], "error: model file 'missing.gguf' not found"),
         (["quantize", "missing.gguf", "Q8_0", "out.gguf"], "model file 'missing.gguf' not found"),
         (["env", "--dir", "config.json", "mlx-lm==0.28.0"], "config.json: not a folder"),
@@ -156,15 +156,60 @@ def test_bad_input_is_one_line_without_a_traceback(
     (tmp_path / "bad.yaml").write_text("checks: [\n  - a: : b\n")
     assert main(argv) in (1, 2)
     err = capsys.readouterr().err
-    assert "Traceback" not in err
+    assert "Traceback" not in err and "usage:" not in err
     lines = err.splitlines()
-    if lines[0].startswith("usage:"):  # argparse's: its usage block, then one line
-        assert lines[-1].startswith(f"kvguard {argv[0]}") or len(lines) == 1, err
-        lines = lines[-1:]
     assert len(lines) == 1 and says in lines[0], err
 
 
-def _never(*args: object) -> Path:
+BAD_OPTIONS: dict[str, tuple[list[str], str]] = {
+    "capacity": (["x.gguf", "--cap", "0"], "argument --cap: 0 is below 1"),
+    "compare": (["a.json", "b.json", "--tolerance", "lots"], "argument --tolerance: "),
+    "scenarios": (["--schema", "--nope"], "unrecognized arguments: --nope"),
+    "docs": (["--nope"], "unrecognized argument --nope: give --check or --write"),
+    "model-facts": (["smollm2-135m", "--chat-tokens", "x"], "argument --chat-tokens: invalid int"),
+    "quantize": (["in.gguf", "Q8_0", "out.gguf", "--nope"], "unrecognized arguments: --nope"),
+    "env": (["mlx-lm==0.28.0", "--dir"], "argument --dir: expected one argument"),
+    "bisect": (["b.yaml", "--engine", "mlx", "--good", "1", "--bad", "2", "--max-builds", "x"],
+               "argument --max-builds: "),
+    "saved-cache": (["--writer", "py", "--reader", "py", "--kind", "paged"],
+                    "argument --kind: invalid choice: 'paged'"),
+    "build-llama-server": (["--only-for"], "argument --only-for: expected one argument"),
+}  # fmt: skip
+"""Per subcommand: arguments with a bad option value (or an unknown option, for a subcommand
+without one that takes a value), and what its one line says."""
+
+
+def test_every_subcommand_has_a_bad_option_case() -> None:
+    assert sorted(BAD_OPTIONS) == sorted(NAMES)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_bad_option_value_is_one_line_and_exit_2(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KVGUARD_ENV_DIR", str(tmp_path / "envs"))
+    monkeypatch.setattr(environments, "_create", _never)  # no environment is ever built here
+    args, says = BAD_OPTIONS[name]
+    assert main([name, *args]) == 2
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err and "usage:" not in err and out == ""
+    (line,) = err.splitlines()
+    prog = f"kvguard {name}"
+    assert line.startswith(f"{prog}: error: ") and says in line, line
+    assert line.endswith(f" (fix: see {prog} --help)"), line
+
+
+def test_a_bad_option_value_through_the_console_script_is_one_line() -> None:
+    done = kvguard("capacity", "x.gguf", "--cap", "0")
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == (
+        "kvguard capacity: error: argument --cap: 0 is below 1 (fix: see kvguard capacity --help)\n"
+    )
+
+
+def _never(*args: object, **kwargs: object) -> Path:
     raise AssertionError("a bad-input test reached the environment build")
 
 
@@ -188,8 +233,38 @@ def test_the_docs_page_lists_every_subcommand_and_every_alias() -> None:
     assert not missing, f"docs/cli.md does not list: {missing}"
 
 
-def test_an_old_alias_still_names_itself(capsys: pytest.CaptureFixture[str]) -> None:
+def test_an_old_alias_still_runs_and_names_itself(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_:
         compare.main(["--help"])
     assert exit_.value.code == 0
     assert capsys.readouterr().out.startswith("usage: kvguard-compare ")
+    script = Path(sys.executable).parent / "kvguard-capacity"
+    if script.exists():  # the installed alias, as a user runs it
+        done = subprocess.run([str(script), "x.gguf", "--cap", "0"], capture_output=True,
+                              text=True, timeout=60)  # fmt: skip
+        assert done.returncode == 2
+        assert done.stderr.startswith("kvguard-capacity: error: argument --cap: "), done.stderr
+
+
+class _Stop(Exception):
+    """Raised by a fake ``subprocess.run``: the environment build stops before its first step."""
+
+
+def _stop(*args: object, **kwargs: object) -> None:
+    raise _Stop
+
+
+@pytest.mark.parametrize("prog", ["kvguard env", "kvguard-env"])
+def test_envs_progress_line_names_the_command_as_typed(
+    prog: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    monkeypatch.setattr(environments.subprocess, "run", _stop)
+    argv = ["mlx-lm==0.28.0", "--dir", str(tmp_path)]
+    with pytest.raises(_Stop):
+        if prog == "kvguard env":
+            main(["env", *argv])
+        else:
+            environments.main(argv)  # the old alias's entry point, its default prog
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"{prog}: creating {tmp_path}/"), line

@@ -220,7 +220,7 @@ def test_an_architecture_an_engine_does_not_declare_is_not_previewed() -> None:
          "model file 'missing.gguf' not found*"),
         (["tiny.gguf=./tiny.gguf"], "--kvguard-against-model tiny.gguf=./tiny.gguf: the "
          "candidate is tiny.gguf's own file (*tiny.gguf): the preview would compare the model "
-         "with itself (fix: give the new file (kvguard-quantize writes one))"),
+         "with itself (fix: give the new file (kvguard quantize writes one))"),
         (["org/model=tiny-copy.gguf"], "--kvguard-against-model org/model=tiny-copy.gguf: model "
          "'org/model' is a hub id: a model preview reads both models' files, and those are not "
          "here (fix: *)"),

@@ -210,7 +210,7 @@ def test_engine_python_from_the_budgets_file_with_its_line(gate: pytest.Pytester
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(
         ["*budgets.yaml:23: engine_python.fake: no Python interpreter at *no/such/python*"
-         "(fix: pass the python of a virtual environment (kvguard-env*"]
+         "(fix: pass the python of a virtual environment (kvguard env*"]
     )  # fmt: skip
 
 

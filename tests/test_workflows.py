@@ -88,13 +88,13 @@ def test_pull_requests_run_the_tests_and_the_quick_gate_nights_the_full_gate() -
 
 
 def test_the_action_builds_llama_server_with_the_package_command() -> None:
-    """pip installs no llama-server: the action builds it with kvguard-build-llama-server, as
+    """pip installs no llama-server: the action builds it with kvguard build-llama-server, as
     .ci/install does, only for a budgets file that starts one (by default)."""
     steps = _load(ACTION)["runs"]["steps"]
     build = next(s for s in steps if s.get("name") == "Build llama-server")
-    assert "kvguard-build-llama-server --only-for" in build["run"]
+    assert "kvguard build-llama-server --only-for" in build["run"]
     assert build["env"]["CMAKE_ARGS"] == "${{ inputs.cmake-args }}"
-    assert "kvguard-build-llama-server" in (ROOT / ".ci" / "install").read_text()
+    assert "bin/kvguard build-llama-server" in (ROOT / ".ci" / "install").read_text()
     names = [s.get("name") or s.get("uses") for s in steps]
     assert (
         names.index("Install pytest-kvguard")

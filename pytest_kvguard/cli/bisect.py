@@ -2,7 +2,7 @@
 
     kvguard bisect BUDGETS --engine mlx --good "mlx-lm==0.28.0" --bad "mlx-lm==0.31.1" -k cap256
 
-Each release tested gets its environment from ``kvguard-env`` (cached) and one gate run, a
+Each release tested gets its environment from ``kvguard env`` (cached) and one gate run, a
 pytest subprocess with ``--kvguard-engine-python ENGINE=PYTHON`` and ``--kvguard-json``, whose
 report says whether the picked checks pass there. Progress goes to stderr; the first bad
 release, both neighbours' figures and the time go to stdout. The search itself is
@@ -24,6 +24,7 @@ from typing import Any
 
 from tabulate import tabulate
 
+from pytest_kvguard.core.args import OneLineParser
 from pytest_kvguard.core.errors import KvguardError
 from pytest_kvguard.core.units import format_change, format_figure
 from pytest_kvguard.engines import engine_info
@@ -57,11 +58,11 @@ PROGRESS = "[bisect]"
 
 
 def main(argv: Sequence[str] | None = None, *, prog: str = "kvguard-bisect") -> int:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog=prog,
         description="Find the first engine release that fails the picked checks of a budgets "
         "file: list the releases between a good and a bad one on the package index, then test "
-        "them by halves, each in its own kvguard-env environment (cached). Progress goes to "
+        "them by halves, each in its own kvguard env environment (cached). Progress goes to "
         "stderr, the result to stdout. Exit status: 0 found, 1 stopped at --max-builds with "
         "the range narrowed so far, 2 bad input or an end that is not what was said.",
     )
@@ -104,7 +105,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "kvguard-bisect") -> 
     parser.add_argument(
         "--dir", type=Path, default=None,
         help="where environments are cached (default: $KVGUARD_ENV_DIR, else "
-        "~/.cache/pytest-kvguard/envs), as kvguard-env",
+        "~/.cache/pytest-kvguard/envs), as kvguard env",
     )  # fmt: skip
     args = parser.parse_args(argv)
     started = time.monotonic()
@@ -173,7 +174,7 @@ def _distribution(engine: str) -> str:
     if info.binary or info.remote:
         raise KvguardError(
             f"engine {engine} is {'a program' if info.binary else 'a server'}, not a Python "
-            "package whose releases kvguard-env can install",
+            "package whose releases kvguard env can install",
             fix="bisect llama_cpp or mlx",
         )
     return info.distribution
@@ -270,7 +271,7 @@ def index_versions(distribution: str, *, pre: bool) -> list[str]:
 
 
 def is_cached(distribution: str, version: str, root: Path) -> bool:
-    """Whether kvguard-env has this release's environment made already (its marker file)."""
+    """Whether kvguard env has this release's environment made already (its marker file)."""
     requirements = environment_requirements([f"{distribution}=={version}"])
     return (environment_dir(requirements, root) / MARKER).is_file()
 

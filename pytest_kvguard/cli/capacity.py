@@ -18,6 +18,7 @@ from pathlib import Path
 
 from tabulate import tabulate
 
+from pytest_kvguard.core.args import OneLineParser
 from pytest_kvguard.core.errors import KvguardError
 from pytest_kvguard.core.policies import LLAMA_CACHE_TYPES
 from pytest_kvguard.core.units import mib
@@ -96,7 +97,7 @@ def _bytes(text: str) -> float:
 
 
 def main(argv: Sequence[str] | None = None, *, prog: str = "kvguard-capacity") -> int:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog=prog,
         description="KV-cache bytes per policy and context length, from a GGUF or config.json.",
     )

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from pytest_kvguard.core.args import OneLineParser
 from pytest_kvguard.core.errors import KvguardError
 
 
@@ -132,7 +133,7 @@ def load_report(path: Path) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None, *, prog: str = "kvguard-compare") -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("first", type=Path)
     parser.add_argument("second", type=Path)
     parser.add_argument(

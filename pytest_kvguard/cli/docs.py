@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, cast
 
+from pytest_kvguard.core.args import usage_error
 from pytest_kvguard.core.budgets import known_limits
 from pytest_kvguard.core.errors import KvguardError
 from pytest_kvguard.core.policies import POLICY_KINDS, POSITION_MODES
@@ -322,8 +323,12 @@ def docs_main(argv: Sequence[str] | None = None, *, prog: str = "kvguard-docs") 
         for name, render in SECTIONS.items():
             sys.stdout.write(f"<!-- generated: {name} -->\n{render()}<!-- end generated -->\n\n")
         return 0
-    if args[0] not in ("--check", "--write") or len(args) > 2:
-        sys.stderr.write(usage)
+    if args[0] not in ("--check", "--write"):
+        sys.stderr.write(usage_error(prog, f"unrecognized argument {args[0]}: give --check or "
+                                     "--write, with a FILE or none"))  # fmt: skip
+        return 2
+    if len(args) > 2:
+        sys.stderr.write(usage_error(prog, f"unrecognized arguments: {' '.join(args[2:])}"))
         return 2
     path = Path(args[1]) if len(args) == 2 else REFERENCE
     try:
@@ -360,7 +365,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "kvguard-scenarios") 
     elif args == ["--schema"]:
         sys.stdout.write(json.dumps(report_schema(), indent=2) + "\n")
     elif args:
-        sys.stderr.write(usage)
+        extra = " ".join(a for a in args if a != "--schema") or " ".join(args[1:])
+        sys.stderr.write(usage_error(prog, f"unrecognized arguments: {extra}"))
         return 2
     else:
         sys.stdout.write(scenarios_markdown())

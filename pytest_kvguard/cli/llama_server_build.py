@@ -15,7 +15,6 @@ The first build took 5 min 39 s here (2 cores); later calls copy the cached bina
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
 import platform
@@ -30,6 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from pytest_kvguard.core.args import OneLineParser
 from pytest_kvguard.core.errors import KvguardError
 from pytest_kvguard.core.paths import user_cache_home
 from pytest_kvguard.engines import installed_version
@@ -215,7 +215,7 @@ def needs_llama_server(budgets_path: Path) -> bool:
 
 
 def main(argv: Sequence[str] | None = None, *, prog: str = "kvguard-build-llama-server") -> int:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog=prog,
         description="Build llama-server from the installed llama-cpp-python's own llama.cpp "
         "(with $CMAKE_ARGS; on x86-64 without them, the instruction-set pins), cache it, and "

@@ -11,7 +11,6 @@ llama-cpp-python).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections.abc import Sequence
@@ -19,6 +18,7 @@ from pathlib import Path
 
 from tabulate import tabulate
 
+from pytest_kvguard.core.args import OneLineParser
 from pytest_kvguard.core.errors import KvguardError
 from pytest_kvguard.engines.chat_tokens import CHAT_TOKENS, chat_token_line
 from pytest_kvguard.inputs.model_facts import (
@@ -45,7 +45,7 @@ def model_path(value: str) -> Path:
 
 
 def main(argv: Sequence[str] | None = None, *, prog: str = "kvguard-model-facts") -> int:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog=prog,
         description="A model's cache-relevant facts (tokenizer BOS/EOS, chat template, sliding "
         "window, heads, rope, weight type, sha256) read without loading weights, and with a "

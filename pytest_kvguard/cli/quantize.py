@@ -10,7 +10,6 @@ Then ``pytest --kvguard BUDGETS --kvguard-against-model MODEL=OUTPUT`` previews 
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from pytest_kvguard.cli.model_facts import model_path
+from pytest_kvguard.core.args import OneLineParser
 from pytest_kvguard.core.errors import KvguardError
 
 PREFIX = "LLAMA_FTYPE_MOSTLY_"
@@ -39,7 +39,7 @@ def quantize(source: Path, kind: str, output: Path) -> float:
         import llama_cpp as lc
     except ImportError:
         raise KvguardError(
-            "kvguard-quantize runs llama.cpp's quantizer, and llama-cpp-python is not installed",
+            "kvguard quantize runs llama.cpp's quantizer, and llama-cpp-python is not installed",
             fix='pip install "pytest-kvguard[llama]"',
         ) from None
     from pytest_kvguard.engines.llama_log import init_backend
@@ -84,7 +84,7 @@ def quantize(source: Path, kind: str, output: Path) -> float:
 
 
 def main(argv: Sequence[str] | None = None, *, prog: str = "kvguard-quantize") -> int:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog=prog,
         description="Re-quantize a GGUF model with llama.cpp's own quantizer "
         "(llama-cpp-python's llama_model_quantize): a candidate for --kvguard-against-model.",

@@ -29,10 +29,11 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from tabulate import tabulate
 
+from pytest_kvguard.core.args import OneLineParser
 from pytest_kvguard.core.errors import KvguardError
 from pytest_kvguard.engines.llama_cpp import saved_state
 from pytest_kvguard.engines.mlx import saved_cache
@@ -166,7 +167,7 @@ def release(python: str, package: str, written_as: str) -> str:
     if done.returncode != 0:
         raise KvguardError(
             f"{written_as} {python} has no {package}",
-            fix=f'pass an engine environment\'s python (kvguard-env "{package}==X" prints one)',
+            fix=f'pass an engine environment\'s python (kvguard env "{package}==X" prints one)',
         )
     return done.stdout.strip()
 
@@ -234,13 +235,6 @@ def table(rows: Sequence[Mapping[str, Any]]) -> str:
 
 def progress(message: str, prog: str = PROG) -> None:
     print(f"{prog}: {message}", file=sys.stderr, flush=True)
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """Bad input is one line on stderr and exit status 2, without the usage block."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
 def count(minimum: int) -> Any:

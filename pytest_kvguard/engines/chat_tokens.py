@@ -1,5 +1,5 @@
 """Where two GGUF models' chat ids differ, as llama-cpp-python's chat call makes them (a
-vocabulary-only load, so no weights): the model preview's and ``kvguard-model-facts``' line."""
+vocabulary-only load, so no weights): the model preview's and ``kvguard model-facts``' line."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What an engine entry point run in another interpreter needs (``kvguard-saved-cache``'s
+"""What an engine entry point run in another interpreter needs (``kvguard saved-cache``'s
 writers and readers): a one-line error, stdout kept for the one JSON result, and the
 ``write`` / ``read`` command line both engines' entry points share."""
 

@@ -112,7 +112,7 @@ class EngineInfo:
     (edit_replay's ``stale_window`` and ``window_missing_tokens``)."""
     companions: str | None = None
     """``module:function``, ``function(requested distribution names) -> requirements``: what
-    ``kvguard-env`` installs with this engine's distribution besides it."""
+    ``kvguard env`` installs with this engine's distribution besides it."""
     prepare: str | None = None
     """``module:function``, ``function() -> str``: readies the pytest process before any test
     module can import the engine (mlx: OpenBLAS preloaded); it returns the session header's

@@ -20,7 +20,7 @@ Schema (version 1)::
     baseline_tolerances:   # optional; with --kvguard-baseline: how far a figure may regress
       post_eviction_ppl: 2%          # may rise 2%; a number: by that much; exact: not change
     engine_python:         # optional: run an engine in another virtual environment
-      mlx: envs/mlx-0.28/bin/python  # relative to this file; kvguard-env prints one
+      mlx: envs/mlx-0.28/bin/python  # relative to this file; kvguard env prints one
     against:               # optional: upgrade preview, every check run here and there
       mlx: envs/mlx-0.28/bin/python  # or one path for every engine
     against_models:        # optional: model preview, every check on a model run on a candidate

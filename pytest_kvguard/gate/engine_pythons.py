@@ -14,7 +14,7 @@ from pytest_kvguard.engines import engine_info
 
 EVERY_ENGINE = "*"
 """The key of a bare ``--kvguard-against PATH``: every engine's other run is there."""
-ENV_HELP = 'kvguard-env "mlx-lm==0.28.0" prints the python of a cached environment for it'
+ENV_HELP = 'kvguard env "mlx-lm==0.28.0" prints the python of a cached environment for it'
 
 
 def check_python(path: str, written_as: str) -> str:

@@ -117,7 +117,7 @@ def model_swap(spec: SwapSpec, model_path: Path) -> ModelSwap:
         raise KvguardError(
             f"{spec.given}: the candidate is {spec.model}'s own file ({model_path}): the "
             "preview would compare the model with itself",
-            fix="give the new file (kvguard-quantize writes one)",
+            fix="give the new file (kvguard quantize writes one)",
         )
     try:
         facts = read_model_facts(candidate_path)

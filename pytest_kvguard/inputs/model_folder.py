@@ -145,7 +145,7 @@ def _weights_sha256(folder: Path) -> tuple[str | None, str]:
     return digest.hexdigest(), f"{len(files)} weight file{'s' * (len(files) > 1)} ({names})"
 
 
-# Shared with kvguard-capacity (a config.json's text model and which of its layers slide)
+# Shared with kvguard capacity (a config.json's text model and which of its layers slide)
 
 GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
     "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,

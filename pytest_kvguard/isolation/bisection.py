@@ -2,8 +2,8 @@
 search over them that steps around releases it cannot test (as ``git bisect skip`` does), and
 how one gate run's JSON report reads as good or bad.
 
-Plain logic, no pytest and no subprocess: ``kvguard-bisect`` (``cli/bisect.py``) lists the
-releases with pip, makes each environment with ``kvguard-env`` and runs the gate; the tests
+Plain logic, no pytest and no subprocess: ``kvguard bisect`` (``cli/bisect.py``) lists the
+releases with pip, makes each environment with ``kvguard env`` and runs the gate; the tests
 drive ``bisect_releases`` with a function from version to outcome.
 """
 

@@ -3,8 +3,8 @@
 ``--kvguard-engine-python mlx=PATH`` (budgets file ``engine_python:``) runs an engine in the
 virtual environment whose interpreter is PATH; ``--kvguard-against mlx=PATH`` (``against:``)
 runs every check of that engine a second time there and judges this run against it. PATH is a
-virtual environment's python with the engine installed; ``kvguard-env`` creates and caches one
-per engine requirement (``kvguard-env "mlx-lm==0.28.0"`` prints its python).
+virtual environment's python with the engine installed; ``kvguard env`` creates and caches one
+per engine requirement (``kvguard env "mlx-lm==0.28.0"`` prints its python).
 
 The environment needs the engine and kvguard's run-time dependencies, not pytest-kvguard
 itself: the worker always runs this copy of pytest_kvguard (see ``workers``).
@@ -12,7 +12,6 @@ itself: the worker always runs this copy of pytest_kvguard (see ``workers``).
 
 from __future__ import annotations
 
-import argparse
 import fcntl
 import hashlib
 import importlib
@@ -29,6 +28,7 @@ from datetime import datetime, timezone
 from functools import cache
 from pathlib import Path
 
+from pytest_kvguard.core.args import OneLineParser
 from pytest_kvguard.core.errors import KvguardError
 from pytest_kvguard.core.paths import user_cache_home
 from pytest_kvguard.engines import ENGINES, engine_info, installed_version
@@ -57,11 +57,11 @@ def _version_in(python: str, distribution: str) -> str | None:
     return done.stdout.strip() or None
 
 
-# kvguard-env: create and cache an environment for an engine requirement.
+# kvguard env: create and cache an environment for an engine requirement.
 
 
 NOT_IN_WORKERS = ("pytest", "packaging")
-"""Dependencies of the pytest process only (packaging: kvguard-bisect sorts releases); left
+"""Dependencies of the pytest process only (packaging: kvguard bisect sorts releases); left
 out of an engine environment, whose folder name hashes what is installed there."""
 
 
@@ -115,18 +115,23 @@ def python_of(env_dir: Path) -> Path:
     return env_dir / "bin" / "python"
 
 
-def create_environment(requested: Sequence[str], root: Path, log: Path | None = None) -> Path:
-    """The python of a cached environment with these requirements, made now if need be."""
+def create_environment(
+    requested: Sequence[str], root: Path, log: Path | None = None, *, prog: str = "kvguard env"
+) -> Path:
+    """The python of a cached environment with these requirements, made now if need be
+    (``prog``: the command its progress line names)."""
     requirements = environment_requirements(requested)
     env_dir = environment_dir(requirements, root)
     env_dir.parent.mkdir(parents=True, exist_ok=True)
     # One creator at a time (parallel CI jobs, xdist workers): the others wait, then reuse it.
     with open(env_dir.with_name(env_dir.name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        return _create(requested, requirements, env_dir)
+        return _create(requested, requirements, env_dir, prog)
 
 
-def _create(requested: Sequence[str], requirements: list[str], env_dir: Path) -> Path:
+def _create(
+    requested: Sequence[str], requirements: list[str], env_dir: Path, prog: str = "kvguard env"
+) -> Path:
     python = python_of(env_dir)
     if (env_dir / MARKER).is_file() and python.exists():
         return python
@@ -137,7 +142,7 @@ def _create(requested: Sequence[str], requirements: list[str], env_dir: Path) ->
     if platform.machine() == "x86_64":
         environ.setdefault("CMAKE_ARGS", X86_CMAKE_ARGS)
     tool = "uv" if uv else "pip"
-    print(f"kvguard-env: creating {env_dir} with {tool}: {' '.join(requirements)}", file=sys.stderr)
+    print(f"{prog}: creating {env_dir} with {tool}: {' '.join(requirements)}", file=sys.stderr)
     if uv:
         commands = [
             [uv, "venv", "--quiet", "--python", sys.executable, str(env_dir)],
@@ -182,7 +187,7 @@ def _create(requested: Sequence[str], requirements: list[str], env_dir: Path) ->
 
 
 def main(argv: Sequence[str] | None = None, *, prog: str = "kvguard-env") -> int:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog=prog,
         description="Create (once) and cache a virtual environment with an engine version, for "
         "--kvguard-engine-python and --kvguard-against. Prints its python on stdout; progress "
@@ -199,7 +204,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "kvguard-env") -> int
     )  # fmt: skip
     args = parser.parse_args(argv)
     try:
-        python = create_environment(args.requirements, args.dir or default_root())
+        python = create_environment(args.requirements, args.dir or default_root(), prog=prog)
     except KvguardError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 1

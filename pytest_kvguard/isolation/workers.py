@@ -193,7 +193,7 @@ class EngineWorker:
                 os.close(fd)
             raise KvguardError(
                 f"cannot start an engine worker with {self.python}: {exc.strerror}",
-                fix="pass the python of a virtual environment (kvguard-env prints one)",
+                fix="pass the python of a virtual environment (kvguard env prints one)",
             ) from None
         os.close(to_worker_read)
         os.close(from_worker_write)
@@ -214,7 +214,7 @@ class EngineWorker:
                 f"the engine worker could not start with {self.python}"
                 + (f": {last_line}" if last_line else ""),
                 fix="check that environment has the engine and numpy, gguf, pyyaml, tabulate "
-                "(kvguard-env installs them)",
+                "(kvguard env installs them)",
                 detail=last_words,
             )
 

@@ -15,7 +15,7 @@ DEFAULT_TIMEOUT = 1800.0
 OPTIONS = [
     ("--kvguard", "kvguard_budgets", "BUDGETS_YAML", "Run the checks declared in this budgets "
      "file (relative to the current directory; the ini value: to rootdir). Without test paths "
-     "on the command line, only these checks run; kvguard-scenarios lists each scenario's "
+     "on the command line, only these checks run; kvguard scenarios lists each scenario's "
      "parameters and budgets. Default: none."),
     ("--kvguard-json", "kvguard_json", "PATH", "Write the JSON report (every figure, engine "
      "versions, model sha256, machine) here. Default: no JSON report."),
@@ -34,7 +34,7 @@ OPTIONS = [
 ENVIRONMENT_OPTIONS = [
     ("--kvguard-engine-python", "kvguard_engine_python", "ENGINE=PYTHON", "Run ENGINE's checks "
      "in the virtual environment whose interpreter is PYTHON (it needs that engine version; "
-     "kvguard-env creates one). May be given once per engine; overrides the budgets file's "
+     "kvguard env creates one). May be given once per engine; overrides the budgets file's "
      "'engine_python:'. Default: this environment."),
     ("--kvguard-against", "kvguard_against", "[ENGINE=]PYTHON", "Upgrade preview: run every "
      "check (of ENGINE, or of every engine) a second time in PYTHON's environment and judge "
@@ -57,18 +57,18 @@ ENVIRONMENT = {
     "KVGUARD_THREADS": "engine threads (default: all cores)",
     "KVGUARD_LLAMA_LOG": "set to 1 to let llama.cpp log to stderr",
     "KVGUARD_LLAMA_SERVER": "the `llama-server` binary engine `llama_server` starts (default: "
-    "the one beside the engine worker's Python, which `kvguard-build-llama-server` puts "
+    "the one beside the engine worker's Python, which `kvguard build-llama-server` puts "
     "there, then PATH)",
     "KVGUARD_SERVER_START_TIMEOUT": "seconds a started llama-server gets to answer `/health` "
     "(default 120)",
     "KVGUARD_SERVER_TIMEOUT": "seconds one request to llama-server may take (default 600)",
-    "KVGUARD_CACHE": "where `kvguard-build-llama-server` caches the built binary (default "
+    "KVGUARD_CACHE": "where `kvguard build-llama-server` caches the built binary (default "
     "`$XDG_CACHE_HOME/kvguard`, else `~/.cache/kvguard`)",
     "KVGUARD_MLX_BLAS": "`bundled` keeps mlx's reference BLAS on Linux (default: preload "
     "OpenBLAS when installed)",
-    "KVGUARD_ENV_DIR": "where `kvguard-env` caches environments, and `kvguard-bisect` finds "
+    "KVGUARD_ENV_DIR": "where `kvguard env` caches environments, and `kvguard bisect` finds "
     "and makes one per engine release (default `~/.cache/pytest-kvguard/envs`)",
-    "CMAKE_ARGS": "llama.cpp's build flags for `kvguard-build-llama-server` and `kvguard-env` "
+    "CMAKE_ARGS": "llama.cpp's build flags for `kvguard build-llama-server` and `kvguard env` "
     "(default on x86-64: the instruction-set pins `.ci/install` uses)",
     "XDG_CACHE_HOME": "the cache folder kvguard's caches go under (default `~/.cache`)",
     "GITHUB_STEP_SUMMARY": "set by GitHub Actions: the tables are written there as Markdown",

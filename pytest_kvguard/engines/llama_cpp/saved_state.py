@@ -4,7 +4,7 @@ another unpickles and loads it.
 An app that persists a conversation stores what ``Llama.save_state`` returns, a ``LlamaState``,
 pickled (``LlamaDiskCache`` does exactly that); after an upgrade the new release unpickles it
 and calls ``load_state``. Run with the interpreter of the engine environment under test,
-pytest_kvguard on its ``PYTHONPATH`` (``kvguard-saved-cache --engine llama_cpp`` does this)::
+pytest_kvguard on its ``PYTHONPATH`` (``kvguard saved-cache --engine llama_cpp`` does this)::
 
     PYTHON -m pytest_kvguard.engines.llama_cpp.saved_state write --model M --kind K --out FILE
     PYTHON -m pytest_kvguard.engines.llama_cpp.saved_state read --model M --kind K --file FILE

@@ -1,7 +1,7 @@
 """Saved mlx-lm prompt caches across releases: one release writes the file, another reads it.
 
 Run with the interpreter of the engine environment under test, pytest_kvguard on its
-``PYTHONPATH`` (as kvguard's engine workers have it; ``kvguard-saved-cache`` does this)::
+``PYTHONPATH`` (as kvguard's engine workers have it; ``kvguard saved-cache`` does this)::
 
     PYTHON -m pytest_kvguard.engines.mlx.saved_cache write --model M --kind K --out FILE
     PYTHON -m pytest_kvguard.engines.mlx.saved_cache read --model M --kind K --file FILE

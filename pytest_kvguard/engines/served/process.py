@@ -61,7 +61,7 @@ def seconds_from_env(var: str, default: float) -> float:
 
 
 def find_binary() -> Path:
-    """The llama-server to start: $KVGUARD_LLAMA_SERVER, the one kvguard-build-llama-server
+    """The llama-server to start: $KVGUARD_LLAMA_SERVER, the one kvguard build-llama-server
     installs next to the environment's Python, or one on PATH."""
     raw = os.environ.get(BINARY_ENV)
     if raw:
@@ -80,7 +80,7 @@ def find_binary() -> Path:
         return Path(found)
     raise KvguardError(
         "engine 'llama_server' needs a llama-server binary, and none was found",
-        fix="run `kvguard-build-llama-server` (it builds one from the installed "
+        fix="run `kvguard build-llama-server` (it builds one from the installed "
         f"llama-cpp-python's llama.cpp, next to this Python), set ${BINARY_ENV}, or give the "
         "check a running server as model: http://HOST:PORT",
     )
