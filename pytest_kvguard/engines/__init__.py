@@ -36,8 +36,10 @@ from pytest_kvguard.engines.registry import (
 )
 from pytest_kvguard.engines.support import (
     check_chunk,
+    check_chunk_gap_budget,
     check_policy,
     check_policy_kind,
+    check_served_chunk,
     support_table,
 )
 
@@ -62,8 +64,10 @@ __all__ = [
     "Stream",
     "StreamGroup",
     "check_chunk",
+    "check_chunk_gap_budget",
     "check_policy",
     "check_policy_kind",
+    "check_served_chunk",
     "engine_info",
     "installed_version",
     "load_engine",

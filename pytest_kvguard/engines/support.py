@@ -133,53 +133,16 @@ def _type_key(policy: Policy) -> str:
 
 
 def check_chunk(
-    chunk: int | None,
-    policy: Policy | None = None,
-    engine: str | None = None,
-    *,
-    candidate: bool = True,
-    served: bool = False,
-    gap_budget: bool = False,
+    chunk: int | None, policy: Policy, engine: str | None = None, *, candidate: bool = True
 ) -> None:
     """Refuse a ``chunk`` (tokens fed per engine call once the cache is full) that cannot mean
-    what it says: every such refusal is here.
-
-    ``chunk`` is what the check asked for (None: it does not apply here); ``policy`` the policy
-    built from it (a policy that never evicts drops it); ``candidate`` whether that policy is
-    the one judged (a baseline of full may share the check's chunk); ``served`` whether the
-    engine generates through its own server; ``gap_budget`` whether max_chunk_gap_pct is set.
-    """
-    if chunk is not None and chunk < 1:
-        raise KvguardError(
-            f"chunk must be >= 1, got {chunk}",
-            fix="use chunk: 1 (one token per call) or more",
-            key="params.chunk",
-        )
-    if served:
-        if gap_budget:
-            raise KvguardError(
-                "max_chunk_gap_pct compares the engine's generate path with kvguard's own "
-                "one-token loop, which does not run through a server",
-                fix="remove max_chunk_gap_pct from this check",
-                key="budgets.max_chunk_gap_pct",
-            )
-        if chunk is not None and chunk != 1:
-            raise KvguardError(
-                f"engine {engine} decodes its generated tokens itself, one at a time: "
-                "chunk does not apply",
-                fix="remove params.chunk",
-                key="params.chunk",
-            )
+    what it says under ``policy`` (the policy built from it: one that never evicts drops it)
+    on ``engine`` (None: not known yet). ``candidate``: the policy is the one judged (a
+    baseline of full may share the check's chunk). Every refusal of a chunk is in this module
+    (``check_served_chunk``, ``check_chunk_gap_budget``)."""
+    if chunk is None:
         return
-    if gap_budget and chunk == 1:
-        raise KvguardError(
-            "max_chunk_gap_pct compares feeding in chunks with feeding one token at a time, "
-            "and this check feeds one token at a time (chunk 1)",
-            fix="set params.chunk above 1 (e.g. chunk: 64), or remove max_chunk_gap_pct",
-            key="budgets.max_chunk_gap_pct",
-        )
-    if policy is None or chunk is None:
-        return
+    _check_positive(chunk)
     if candidate and chunk > policy.chunk:
         raise KvguardError(
             f"policy '{policy.kind}' never evicts, so chunk {chunk} would change nothing",
@@ -212,5 +175,50 @@ def check_chunk(
         raise KvguardError(
             f"engine '{engine}' takes at most {info.max_chunk} tokens per call, not chunk {chunk}",
             fix=f"use chunk: {info.max_chunk} or less",
+            key="params.chunk",
+        )
+
+
+def check_served_chunk(
+    chunk: int | None, engine: str | None = None, *, gap_budget: bool = False
+) -> None:
+    """Where the engine generates through its own server: it decodes one token at a time
+    itself, so only chunk 1 means anything, and kvguard's one-token loop (what
+    ``max_chunk_gap_pct``, set where ``gap_budget``, compares with) does not run there."""
+    if gap_budget:
+        raise KvguardError(
+            "max_chunk_gap_pct compares the engine's generate path with kvguard's own "
+            "one-token loop, which does not run through a server",
+            fix="remove max_chunk_gap_pct from this check",
+            key="budgets.max_chunk_gap_pct",
+        )
+    if chunk is not None:
+        _check_positive(chunk)
+        if chunk != 1:
+            raise KvguardError(
+                f"engine {engine} decodes its generated tokens itself, one at a time: "
+                "chunk does not apply",
+                fix="remove params.chunk",
+                key="params.chunk",
+            )
+
+
+def check_chunk_gap_budget(chunk: int) -> None:
+    """``max_chunk_gap_pct`` compares a chunked run with one fed a token at a time: refused
+    where the check itself feeds one token at a time."""
+    if chunk == 1:
+        raise KvguardError(
+            "max_chunk_gap_pct compares feeding in chunks with feeding one token at a time, "
+            "and this check feeds one token at a time (chunk 1)",
+            fix="set params.chunk above 1 (e.g. chunk: 64), or remove max_chunk_gap_pct",
+            key="budgets.max_chunk_gap_pct",
+        )
+
+
+def _check_positive(chunk: int) -> None:
+    if chunk < 1:
+        raise KvguardError(
+            f"chunk must be >= 1, got {chunk}",
+            fix="use chunk: 1 (one token per call) or more",
             key="params.chunk",
         )

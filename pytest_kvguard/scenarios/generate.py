@@ -25,7 +25,7 @@ import numpy as np
 from pytest_kvguard.core.budgets import Budgets
 from pytest_kvguard.core.errors import KvguardError
 from pytest_kvguard.core.policies import Policy
-from pytest_kvguard.engines import ReportsShifts, check_chunk, engine_info
+from pytest_kvguard.engines import ReportsShifts, check_served_chunk, engine_info
 from pytest_kvguard.engines.conversation import plan_turns
 from pytest_kvguard.inputs.models import ModelRef
 from pytest_kvguard.inputs.texts import Text, load_text
@@ -196,7 +196,7 @@ class GenerateScenario(Scenario[GenerateSpec]):
 
     def check_budgets(self, spec: GenerateSpec, budgets: Budgets) -> None:
         if spec.served:
-            check_chunk(None, served=True, gap_budget=budgets.max_chunk_gap_pct is not None)
+            check_served_chunk(None, gap_budget=budgets.max_chunk_gap_pct is not None)
 
     def planned_runs(self, check: Check[GenerateSpec]) -> list[Planned]:
         spec = check.spec

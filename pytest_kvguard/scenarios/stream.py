@@ -17,7 +17,7 @@ from pytest_kvguard.core.errors import EngineRefusal, KvguardError
 from pytest_kvguard.core.policies import Policy
 from pytest_kvguard.core.scoring import perplexity
 from pytest_kvguard.core.units import format_size
-from pytest_kvguard.engines import check_chunk
+from pytest_kvguard.engines import check_chunk_gap_budget
 from pytest_kvguard.inputs.architecture import load_arch
 from pytest_kvguard.inputs.texts import Text, load_text
 from pytest_kvguard.scenarios.base import (
@@ -252,7 +252,8 @@ class StreamScenario(Scenario[StreamSpec]):
 
     def check_budgets(self, spec: StreamSpec, budgets: Budgets) -> None:
         check_bounded_run(spec.policy, spec.tokens, budgets)
-        check_chunk(spec.policy.chunk, gap_budget=budgets.max_chunk_gap_pct is not None)
+        if budgets.max_chunk_gap_pct is not None:
+            check_chunk_gap_budget(spec.policy.chunk)
 
     explanation_schema = SINK_EXPLANATION_SCHEMA
 

@@ -22,7 +22,7 @@ import numpy as np
 from pytest_kvguard.core.budgets import Limit
 from pytest_kvguard.core.errors import KvguardError
 from pytest_kvguard.core.policies import Policy, make_policy
-from pytest_kvguard.engines import check_chunk, check_policy
+from pytest_kvguard.engines import check_policy, check_served_chunk
 from pytest_kvguard.inputs.texts import Text, load_text
 from pytest_kvguard.scenarios.base import (
     CAP,
@@ -294,7 +294,7 @@ class SweepScenario(Scenario[SweepSpec]):
     @staticmethod
     def _served_prompt(fields: Fields, cap: int) -> int:
         """The prompt a server's sweep sends before its one generated reply."""
-        check_chunk(fields.params["chunk"], engine=fields.engine, served=True)
+        check_served_chunk(fields.params["chunk"], fields.engine)
         prompt: int = fields.params["prompt"] or min(SERVED_PROMPT, cap // 2)
         if prompt >= cap:
             raise KvguardError(
