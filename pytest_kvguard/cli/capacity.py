@@ -13,12 +13,12 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from tabulate import tabulate
 
-from pytest_kvguard.core.args import OneLineParser
+from pytest_kvguard.core.args import OneLineParser, whole_number
 from pytest_kvguard.core.errors import KvguardError
 from pytest_kvguard.core.policies import LLAMA_CACHE_TYPES
 from pytest_kvguard.core.units import mib
@@ -59,21 +59,6 @@ def capacity_table(
     return headers, rows
 
 
-def _whole(minimum: int) -> Callable[[str], int]:
-    """An argparse type: a whole number >= ``minimum``."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{value} is below {minimum}")
-        return value
-
-    return parse
-
-
 def _contexts(text: str) -> list[int]:
     """An argparse type: comma-separated context lengths, each a whole number >= 1."""
     try:
@@ -108,7 +93,9 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "kvguard-capacity") -
         default=",".join(map(str, DEFAULT_CONTEXTS)),
         help="comma-separated context lengths (default: %(default)s)",
     )
-    parser.add_argument("--cap", type=_whole(1), default=256, help="window/sink cap (default: 256)")
+    parser.add_argument(
+        "--cap", type=whole_number(1), default=256, help="window/sink cap (default: 256)"
+    )
     parser.add_argument(
         "--bytes", type=_bytes, default=2.0, help="bytes per cache element (default: 2, f16)"
     )
@@ -121,10 +108,10 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "kvguard-capacity") -
         "--cache-type-v", choices=list(LLAMA_CACHE_TYPES), help="llama.cpp's V cache type"
     )
     parser.add_argument(
-        "--ubatch", type=_whole(1), default=512, help="llama.cpp n_ubatch (default: 512)"
+        "--ubatch", type=whole_number(1), default=512, help="llama.cpp n_ubatch (default: 512)"
     )
     parser.add_argument(
-        "--slots", type=_whole(1), default=1, help="llama.cpp n_seq / slots (default: 1)"
+        "--slots", type=whole_number(1), default=1, help="llama.cpp n_seq / slots (default: 1)"
     )
     args = parser.parse_args(argv)
     contexts = args.contexts

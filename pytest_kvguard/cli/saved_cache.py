@@ -33,7 +33,7 @@ from typing import Any
 
 from tabulate import tabulate
 
-from pytest_kvguard.core.args import OneLineParser
+from pytest_kvguard.core.args import OneLineParser, whole_number
 from pytest_kvguard.core.errors import KvguardError
 from pytest_kvguard.engines.llama_cpp import saved_state
 from pytest_kvguard.engines.mlx import saved_cache
@@ -237,19 +237,6 @@ def progress(message: str, prog: str = PROG) -> None:
     print(f"{prog}: {message}", file=sys.stderr, flush=True)
 
 
-def count(minimum: int) -> Any:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{value} is below {minimum}")
-        return value
-
-    return parse
-
-
 def nats(text: str) -> float:
     try:
         value = float(text)
@@ -301,7 +288,7 @@ def parser(prog: str = PROG) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--messages",
-        type=count(2),
+        type=whole_number(2),
         default=DEFAULT_MESSAGES,
         help=f"the chat's first this many messages are cached (default {DEFAULT_MESSAGES})",
     )
@@ -313,19 +300,19 @@ def parser(prog: str = PROG) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--cap",
-        type=count(1),
+        type=whole_number(1),
         default=DEFAULT_CAP,
         help=f"mlx, rotating: max_size (default {DEFAULT_CAP})",
     )
     p.add_argument(
         "--sinks",
-        type=count(0),
+        type=whole_number(0),
         default=DEFAULT_SINKS,
         help=f"mlx, rotating: keep (default {DEFAULT_SINKS})",
     )
     p.add_argument(
         "--reply-tokens",
-        type=count(1),
+        type=whole_number(1),
         default=None,
         help=f"forced reply tokens scored (default: mlx {DEFAULT_REPLY_TOKENS}, llama_cpp "
         f"{saved_state.DEFAULT_REPLY_TOKENS}, as edit_replay scores a reuse)",
@@ -355,7 +342,7 @@ def parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument("--json", type=Path, metavar="FILE", help="also write every row as JSON")
     p.add_argument(
         "--timeout",
-        type=count(1),
+        type=whole_number(1),
         default=TIMEOUT_S,
         metavar="S",
         help=f"seconds one write or read may take (default {TIMEOUT_S})",
