@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pytest_kvguard.core.errors import KvguardError
-from pytest_kvguard.engines.registry import ENTRY_POINT_GROUP, _entry_point_adapters
+from pytest_kvguard.engines.registry import ENTRY_POINT_GROUP, EngineInfo, _entry_point_adapters
 
 TESTS = Path(__file__).parent
 
@@ -135,3 +135,45 @@ def test_what_an_environment_installs_with_an_engine_is_its_adapters_word() -> N
     assert any(r.startswith("llama-cpp-python") for r in with_mlx)  # GGUF tokens
     alone = environment_requirements(["llama-cpp-python==0.3.35"])
     assert not any(r.startswith(("mlx", "llama-cpp-python==0.3.36")) for r in alone)
+
+
+def test_a_broken_adapter_stops_pytest_with_one_line(
+    pytester: pytest.Pytester, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    on_path(monkeypatch, install_toy_distribution(tmp_path / "site", "toy_kv_engine:NOPE"))
+    pytester.makepyfile("def test_nothing():\n    pass\n")
+    result = pytester.runpytest_subprocess()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        ["ERROR: entry point pytest_kvguard.engines:toy = toy_kv_engine:NOPE does not load: "
+         "AttributeError* (fix: fix or uninstall toy-kv-engine)"]
+    )  # fmt: skip
+    assert "Traceback" not in result.stderr.str() + result.stdout.str()
+
+
+def test_two_adapters_of_one_name_are_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    site = install_toy_distribution(tmp_path / "site")
+    (site / "toy_two.py").write_text("from toy_kv_engine import ADAPTER\n")
+    other = site / "toy_two-0.1.dist-info"
+    other.mkdir()
+    (other / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-two\nVersion: 0.1\n")
+    (other / "entry_points.txt").write_text(f"[{ENTRY_POINT_GROUP}]\ntoy = toy_two:ADAPTER\n")
+    on_path(monkeypatch, site)
+    with pytest.raises(KvguardError, match="two adapters register engine 'toy'"):
+        _entry_point_adapters()
+
+
+def test_an_engine_worker_adopts_the_registry_it_is_sent(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker in an environment ``kvguard env`` made has no kvguard distribution whose
+    entry points it could read: it takes the pytest process's registry as it is."""
+    from pytest_kvguard.engines import registry
+
+    def no_distribution() -> dict[str, EngineInfo]:
+        raise AssertionError("the worker read entry points")
+
+    monkeypatch.setattr(registry, "_entry_point_adapters", no_distribution)
+    adopted = registry.EngineRegistry()
+    adopted.adopt({"llama_cpp": registry.ENGINES["llama_cpp"]})
+    assert list(adopted) == ["llama_cpp"] and adopted["llama_cpp"].name == "llama_cpp"

@@ -130,11 +130,16 @@ party's package declares its own)."""
 
 class EngineRegistry(MutableMapping[str, EngineInfo]):
     """The engine adapters by name, read from the ``pytest_kvguard.engines`` entry points on
-    first use (each adapter module imports no engine, so this stays cheap). Tests and engine
-    workers add adapters as to a dict (a worker gets the pytest process's registry)."""
+    first use (each adapter module imports no engine, so this stays cheap). Tests add
+    adapters as to a dict; an engine worker ``adopt``s the pytest process's registry."""
 
     def __init__(self) -> None:
         self._adapters: dict[str, EngineInfo] | None = None
+
+    def adopt(self, adapters: Mapping[str, EngineInfo]) -> None:
+        """Take these adapters as the registry, reading no entry point: an engine worker's,
+        whose environment (``kvguard env``) may have no kvguard distribution to read."""
+        self._adapters = dict(adapters)
 
     def _loaded(self) -> dict[str, EngineInfo]:
         if self._adapters is None:
@@ -165,6 +170,7 @@ def _entry_point_adapters() -> dict[str, EngineInfo]:
         key=lambda e: (e.value.split(".")[0] != "pytest_kvguard", e.name),
     )
     adapters: dict[str, EngineInfo] = {}
+    values: dict[str, str] = {}
     for entry in found:
         where = f"entry point {ENTRY_POINT_GROUP}:{entry.name} = {entry.value}"
         dist = entry.dist.name if entry.dist is not None else "its distribution"
@@ -181,8 +187,14 @@ def _entry_point_adapters() -> dict[str, EngineInfo]:
                 fix=f"point it at an EngineInfo(name='{entry.name}', ...) in {dist}",
             )
         if entry.name in adapters:
-            continue  # the same distribution seen twice on sys.path (an editable install)
-        adapters[entry.name] = info
+            if values[entry.name] == entry.value:
+                continue  # the same distribution seen twice on sys.path (an editable install)
+            raise KvguardError(
+                f"two adapters register engine '{entry.name}': {values[entry.name]} and "
+                f"{entry.value}",
+                fix=f"uninstall one of them, or rename {dist}'s engine",
+            )
+        adapters[entry.name], values[entry.name] = info, entry.value
     if not adapters:
         raise KvguardError(
             f"no engine adapters registered (entry points {ENTRY_POINT_GROUP})",

@@ -31,8 +31,9 @@ def serve(receive: Connection, send: Connection) -> None:
     from pytest_kvguard.isolation.workers import WorkerSetup
 
     setup: WorkerSetup = receive.recv()
-    # The registries as the pytest process has them: a test may add a toy engine or scenario.
-    engines.ENGINES.update(setup.engines)
+    # The registries as the pytest process has them: a test may add a toy engine or scenario,
+    # and an environment kvguard env made has no kvguard distribution to read entry points of.
+    engines.ENGINES.adopt(setup.engines)
     scenarios.SCENARIOS.update(setup.scenarios)
     send.send(("ready",))
 

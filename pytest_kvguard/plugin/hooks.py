@@ -67,8 +67,11 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers",
         f"kv_budget(*, {signature}): budgets the test's kvguard scenario results must stay within.",
     )
-    for engine in ENGINES:
-        prepare_engine(engine)  # before any test module can import it; imports no engine
+    try:  # the first read of the engine registry: a broken adapter's entry point is one line
+        for engine in ENGINES:
+            prepare_engine(engine)  # before any test module can import it; imports no engine
+    except KvguardError as exc:
+        raise pytest.UsageError(str(exc)) from None
     json_path = path_setting(config, "kvguard_json")
     if plot_enabled(config):
         if json_path is None:
