@@ -16,20 +16,19 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from tabulate import tabulate
 
-from pytest_kvguard.core.budgets import Budgets
 from pytest_kvguard.core.units import format_value
+from pytest_kvguard.scenarios import declared_limits
 
-BUDGET_FIELDS = {f.name: f.metadata for f in fields(Budgets)}
+BUDGET_FIELDS = declared_limits()
 COUNTS = {
     name
     for name, meta in BUDGET_FIELDS.items()
-    if meta["bound"] != "flag" and meta["unit"] in (" entries", " tokens", " B", " B/token")
+    if meta.bound != "flag" and meta.unit in (" entries", " tokens", " B", " B/token")
 }
 """Budgets on exact counts and bytes."""  # fmt: skip
 
@@ -39,9 +38,9 @@ def margin(budget: str, limit: float, measured: float) -> str:
     meta = BUDGET_FIELDS[budget]
     if math.isnan(measured):
         return "broken (nan)"
-    if meta["bound"] == "flag":
+    if meta.bound == "flag":
         return "ok" if measured <= 0 else "broken"
-    room = limit - measured if meta["bound"] == "max" else measured - limit
+    room = limit - measured if meta.bound == "max" else measured - limit
     return f"{room / limit:+.0%}" if limit else f"{room:+g}"
 
 
@@ -57,13 +56,13 @@ def figure(row: dict[str, Any] | None, budget: str) -> tuple[str, str, str]:
     if row is None or budget not in row.get("budgets", {}):
         return "-", "-", "-"
     meta = BUDGET_FIELDS[budget]
-    measured, limit = row["metrics"].get(meta["metric"]), row["budgets"][budget]
-    if meta["bound"] == "flag":  # a flag's figure is what it forbids: 0 holds
-        shown = "-" if measured is None else show(measured, meta["unit"])
+    measured, limit = row["metrics"].get(meta.metric), row["budgets"][budget]
+    if meta.bound == "flag":  # a flag's figure is what it forbids: 0 holds
+        shown = "-" if measured is None else show(measured, meta.unit)
         return shown, "true", "-" if measured is None else margin(budget, 0.0, measured)
     if measured is None:
-        return "-", show(limit, meta["unit"]), "-"
-    return (show(measured, meta["unit"]), show(limit, meta["unit"]),
+        return "-", show(limit, meta.unit), "-"
+    return (show(measured, meta.unit), show(limit, meta.unit),
             margin(budget, float(limit), float(measured)))  # fmt: skip
 
 

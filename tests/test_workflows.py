@@ -78,6 +78,8 @@ def test_pull_requests_run_the_tests_and_the_quick_gate_nights_the_full_gate() -
     _, tests_command = setup_commands()
     commands = [s.get("run", "") for s in jobs["tests"]["steps"]]
     assert tests_command in commands, "the tests job runs README command 2"
+    step = next(s for s in jobs["tests"]["steps"] if s.get("run") == tests_command)
+    assert step.get("env", {}).get("KVGUARD_REQUIRE_ENGINES") == "1", "a missing engine skips"
     assert "push" in jobs["tests"]["if"] and "pull_request" in jobs["tests"]["if"]
     for name in ("linux-cpu", "macos-metal", "gpu-cuda"):
         gate = next(s for s in jobs[name]["steps"] if s.get("uses") == "./.github/actions/kvguard")
