@@ -176,6 +176,9 @@ def test_a_budget_only_a_registered_scenario_declares_is_known(
     assert Budgets(max_unheld_tokens=1).max_unheld_tokens == 1
     assert "max_unheld_tokens" in Budgets.names()
     assert SCENARIOS["fill"].comparable_metrics == {"kv_entries": False, "unheld_tokens": False}
+    from pytest_kvguard.gate.baseline import parse_tolerance
+
+    assert parse_tolerance("unheld_tokens", "0").allows(10, 10)  # a baseline may name it too
 
 
 def test_a_new_scenario_refuses_bad_input_like_the_others(

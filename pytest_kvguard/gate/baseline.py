@@ -24,13 +24,13 @@ from pytest_kvguard.gate.outcome import Outcome, Row
 from pytest_kvguard.gate.report import READABLE_SCHEMAS
 from pytest_kvguard.scenarios import SCENARIOS
 
-_GATED = Budgets.gated_metrics(Budgets.names())
 
-COMPARABLE_METRICS = frozenset(_GATED)
-"""Figures a baseline tolerance can name: every figure a budget gates on."""
+def comparable_metrics() -> dict[str, bool]:
+    """Figures a baseline tolerance can name (every figure a budget of a registered scenario
+    gates on, a scenario added at run time included), and whether each regresses by falling
+    (a ``min_`` budget's figure); every other one regresses by rising."""
+    return Budgets.gated_metrics(Budgets.names())
 
-HIGHER_IS_BETTER = frozenset(metric for metric, higher in _GATED.items() if higher)
-"""Figures that regress by falling (a ``min_`` budget's); every other one by rising."""
 
 DEFAULT_TOLERANCES = {
     "post_eviction_ppl": "2%",
@@ -59,13 +59,13 @@ class Tolerance:
         if self.kind == "exact":
             return "exact"
         unit = "%" if self.kind == "pct" else ""
-        sign = "-" if self.metric in HIGHER_IS_BETTER else "+"
+        sign = "-" if comparable_metrics().get(self.metric) else "+"
         return f"{sign}{self.amount:g}{unit}"
 
     def allows(self, old: float, new: float) -> bool:
         if self.kind == "exact":
             return new == old
-        worse = old - new if self.metric in HIGHER_IS_BETTER else new - old
+        worse = old - new if comparable_metrics().get(self.metric) else new - old
         if self.kind == "abs":
             return worse <= self.amount
         return worse <= abs(old) * self.amount / 100.0
@@ -73,8 +73,8 @@ class Tolerance:
 
 def parse_tolerance(metric: str, raw: object) -> Tolerance:
     """``"2%"`` -> 2 percent, ``0`` or ``"5"`` -> absolute, ``exact`` -> equal."""
-    if metric not in COMPARABLE_METRICS:
-        raise unknown_key_error("baseline figure", metric, sorted(COMPARABLE_METRICS))
+    if metric not in comparable_metrics():
+        raise unknown_key_error("baseline figure", metric, sorted(comparable_metrics()))
     text = str(raw).strip()
     if text == "exact":
         return Tolerance(metric, "exact")
