@@ -79,14 +79,9 @@ class Budgets:
         for name in limits:
             if name not in known:
                 raise unknown_key_error("budget", name, list(known))
-        self._limits = {n: known[n] for n in known if n in limits}
-        self._values = {n: _read(known[n], limits[n]) for n in self._limits}
-        if self._values.get("must_recall") and self._values.get("must_forget"):
-            raise KvguardError(
-                "must_recall and must_forget together can never both hold",
-                fix="keep one of them (neither: recall is recorded, not gated)",
-                key="budgets.must_forget",
-            )
+        given = {n: v for n, v in limits.items() if v is not None}  # None: not given
+        self._limits = {n: known[n] for n in known if n in given}
+        self._values = {n: _read(known[n], given[n]) for n in self._limits}
 
     def __getattr__(self, name: str) -> Any:
         """A budget's limit by name (None where not given)."""
@@ -99,7 +94,9 @@ class Budgets:
         raise AttributeError(f"no budget {name!r}")
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Budgets) and self._values == other._values
+        if not isinstance(other, Budgets):
+            return NotImplemented
+        return self._values == other._values
 
     def __hash__(self) -> int:
         return hash(tuple(sorted(self._values.items())))

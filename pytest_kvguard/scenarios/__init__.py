@@ -44,18 +44,27 @@ SCENARIOS: dict[str, Scenario[Any]] = {
 
 
 def declared_limits() -> Mapping[str, Limit]:
-    """Every budget the registered scenarios declare, in their order: what a budgets file and
-    the ``kv_budget`` marker accept (a scenario added to ``SCENARIOS`` brings its own)."""
+    """Every budget the registered scenarios declare: what a budgets file and the
+    ``kv_budget`` marker accept (a scenario added to ``SCENARIOS`` brings its own). In an
+    order that keeps each scenario's own (a budget first seen comes right after the one its
+    scenario lists before it), which is the order a check's budgets are shown in."""
     found: dict[str, Limit] = {}
+    order: list[str] = []
     for scenario in SCENARIOS.values():
+        previous: str | None = None
         for limit in scenario.limits:
-            if found.setdefault(limit.name, limit) != limit:
+            if limit.name not in found:
+                at = len(order) if previous is None else order.index(previous) + 1
+                order.insert(at, limit.name)
+                found[limit.name] = limit
+            elif found[limit.name] != limit:
                 raise KvguardError(
                     f"scenario {scenario.name} declares budget {limit.name} unlike the "
                     "scenario that declared it first",
                     fix="import the first declaration instead of declaring it again",
                 )
-    return found
+            previous = limit.name
+    return {name: found[name] for name in order}
 
 
 set_limit_source(declared_limits)

@@ -191,12 +191,12 @@ class EditReplayScenario(Scenario[ReplaySpec]):
         *KV_PRECISION,
     )  # fmt: skip
     limits = (
+        MAX_REUSE_EXCESS,
         MAX_REPREFILL_TOKENS,
         MAX_REPREFILL_FRACTION,
         MIN_REUSED_TOKENS,
-        MAX_MEMORY_BYTES,
-        MAX_REUSE_EXCESS,
         MAX_WINDOW_MISSING_TOKENS,
+        MAX_MEMORY_BYTES,
     )
     engine_path = "prefix_cache"
     detail_type = ReplayDetail

@@ -241,6 +241,12 @@ class RecallScenario(Scenario[RecallSpec]):
                           fields.text_name())  # fmt: skip
 
     def check_budgets(self, spec: RecallSpec, budgets: Budgets) -> None:
+        if budgets.must_recall and budgets.must_forget:
+            raise KvguardError(
+                "must_recall and must_forget together can never both hold",
+                fix="keep one of them (neither: recall is recorded, not gated)",
+                key="budgets.must_forget",
+            )
         if budgets.must_forget and not spec.policy.bounded:
             raise KvguardError(
                 f"must_forget with policy '{spec.policy.kind}', which never evicts: it could "

@@ -212,8 +212,8 @@ class StreamScenario(Scenario[StreamSpec]):
         MAX_KV_BYTES,
         MAX_PEAK_MEMORY_BYTES,
         BOUNDED,
-        MAX_CHUNK_GAP_PCT,
         MAX_KV_DEVIATION_PCT,
+        MAX_CHUNK_GAP_PCT,
     )
     detail_type = StreamDetail
     takes_baseline = True
