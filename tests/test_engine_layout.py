@@ -131,6 +131,24 @@ def test_no_layer_imports_one_above_it() -> None:
     assert not upward, "imports of a higher layer:\n" + "\n".join(upward)
 
 
+ENGINE_PACKAGES = ("llama_cpp", "mlx", "served")
+"""One engine's own code: only the engines layer and those above scenarios may import it."""
+
+
+def test_scenarios_reach_engines_only_through_their_protocols() -> None:
+    """Scenarios, inputs and core call the Engine protocol and the registry, never one engine's
+    own package (gate's faults, the plugin and the commands may)."""
+    modules = module_names()
+    reaching = [
+        f"{name} -> {target}"
+        for name, path in sorted(modules.items())
+        if layer_of(name) in ("core", "inputs", "scenarios")
+        for target in sorted(imports_of(name, path, modules))
+        if target.split(".")[1:3] in (["engines", p] for p in ENGINE_PACKAGES)
+    ]
+    assert not reaching, "imports of one engine's own package:\n" + "\n".join(reaching)
+
+
 def test_an_upward_import_is_found_and_named() -> None:
     graph = {
         "pytest_kvguard.engines.mlx.engine": {"pytest_kvguard.core.policies"},

@@ -10,17 +10,12 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Sequence
-from pathlib import Path
 
-from pytest_kvguard.core.errors import EngineError, KvguardError
-from pytest_kvguard.core.paths import cached_per_file
+from pytest_kvguard.core.errors import KvguardError
 from pytest_kvguard.engines.registry import ENGINES, installed_version
 from pytest_kvguard.inputs.gguf_header import read_gguf_header
 from pytest_kvguard.inputs.model_folder import folder_facts
 from pytest_kvguard.inputs.models import ModelRef
-
-UNKNOWN_ARCHITECTURE = "unknown model architecture"
-"""What llama.cpp's loader logs for an architecture it does not implement."""
 
 
 def check_model_usable(model: ModelRef, engines: Sequence[str], here: Sequence[str]) -> None:
@@ -62,20 +57,3 @@ def check_model_usable(model: ModelRef, engines: Sequence[str], here: Sequence[s
                 f"{path}: {info.distribution} {installed_version(engine)} cannot load it: {reason}",
                 fix=f"upgrade {info.distribution} to a release that knows this architecture",
             )
-
-
-@cached_per_file
-def llama_cpp_refusal(path: Path) -> str | None:
-    """llama.cpp's refusal of the file's architecture, or None (it knows it, or the loader
-    failed for another reason, which the check's run reports with the engine's own words)."""
-    try:
-        from pytest_kvguard.engines.gguf_vocab import GgufVocab
-    except (ImportError, RuntimeError, OSError):
-        return None  # not installed here, or its library does not load: the run says so
-    try:
-        GgufVocab(path)
-    except EngineError as exc:
-        message = str(exc)
-        if UNKNOWN_ARCHITECTURE in message:
-            return message[message.index(UNKNOWN_ARCHITECTURE) :]
-    return None

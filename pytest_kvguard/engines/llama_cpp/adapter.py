@@ -28,5 +28,5 @@ ADAPTER = EngineInfo(
     kv_size="pytest_kvguard.engines.llama_cpp.kv_size",
     api_states=("none", "ram", "disk", "saved"),
     window_probe=True,
-    architecture_probe="pytest_kvguard.engines.model_usable:llama_cpp_refusal",
+    architecture_probe="pytest_kvguard.engines.llama_cpp.model_probe:llama_cpp_refusal",
 )
