@@ -373,8 +373,10 @@ class KvguardSession:
 
     def finish(self, session: pytest.Session) -> None:
         """At pytest_sessionfinish, first: a session-level failure is the exit status
-        (TESTS_FAILED where it would have been OK or NO_TESTS_COLLECTED), so every later hook,
-        the JSON report and pytest's exit code see it; then the engines close."""
+        (TESTS_FAILED where it would have been OK or NO_TESTS_COLLECTED), so pytest's exit code
+        and what reads ``session.exitstatus`` later (the JSON report) have it (the
+        ``exitstatus`` argument other plugins' sessionfinish hooks get is pytest's own); then
+        the engines close."""
         no_test_failed = (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED)
         if self.failures and session.exitstatus in no_test_failed:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
