@@ -134,8 +134,8 @@ def load_report(path: Path) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None, *, prog: str = "kvguard-compare") -> int:
     parser = OneLineParser(prog=prog, description=__doc__.splitlines()[0])
-    parser.add_argument("first", type=Path)
-    parser.add_argument("second", type=Path)
+    parser.add_argument("first", type=Path, help="a JSON report (--kvguard-json): the earlier run")
+    parser.add_argument("second", type=Path, help="the report to compare with it: the later run")
     parser.add_argument(
         "--ignore", action="append", default=[], metavar="FIGURE",
         help="a figure not to compare, e.g. process_peak_rss_bytes (repeatable)",
