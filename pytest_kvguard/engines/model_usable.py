@@ -8,11 +8,10 @@ vocabulary-only load, which reads the architecture first).
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
 
 from pytest_kvguard.core.errors import KvguardError
-from pytest_kvguard.engines.registry import ENGINES, installed_version
+from pytest_kvguard.engines.registry import ENGINES, adapter_function, installed_version
 from pytest_kvguard.inputs.gguf_header import read_gguf_header
 from pytest_kvguard.inputs.model_folder import folder_facts
 from pytest_kvguard.inputs.models import ModelRef
@@ -50,8 +49,7 @@ def check_model_usable(model: ModelRef, engines: Sequence[str], here: Sequence[s
         info = ENGINES[engine]
         if info.architecture_probe is None or engine not in here:
             continue  # another environment may have another release of the engine
-        module, _, function = info.architecture_probe.partition(":")
-        reason = getattr(importlib.import_module(module), function)(path)
+        reason = adapter_function(info.architecture_probe)(path)
         if reason is not None:
             raise KvguardError(
                 f"{path}: {info.distribution} {installed_version(engine)} cannot load it: {reason}",

@@ -11,9 +11,10 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import importlib.util
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from pytest_kvguard.core.errors import KvguardError
 from pytest_kvguard.engines.options import EngineOptions
@@ -240,14 +241,21 @@ def installed_version(name: str) -> str | None:
         return None
 
 
+def adapter_function(reference: str) -> Callable[..., Any]:
+    """The function an adapter names as ``module:function`` (imported now; the module
+    imports no engine)."""
+    module, _, function = reference.partition(":")
+    found: Callable[..., Any] = getattr(importlib.import_module(module), function)
+    return found
+
+
 def prepare_engine(name: str) -> str | None:
     """Run the adapter's ``prepare`` (once is enough; it may be called again), where it has one
     and the engine is installed here; its header line, or None."""
     info = engine_info(name)
     if info.prepare is None or importlib.util.find_spec(info.import_name) is None:
         return None
-    module, _, function = info.prepare.partition(":")
-    line: str = getattr(importlib.import_module(module), function)()
+    line: str = adapter_function(info.prepare)()
     return line
 
 

@@ -32,6 +32,7 @@ from pytest_kvguard.core.args import OneLineParser
 from pytest_kvguard.core.errors import KvguardError
 from pytest_kvguard.core.paths import user_cache_home
 from pytest_kvguard.engines import ENGINES, engine_info, installed_version
+from pytest_kvguard.engines.registry import adapter_function
 
 
 def version_in(python: str, engine: str) -> str | None:
@@ -89,8 +90,7 @@ def environment_requirements(requested: Sequence[str]) -> list[str]:
     extra = runtime_requirements()
     for info in ENGINES.values():
         if info.companions is not None and _name_of(info.distribution) in names:
-            module, _, function = info.companions.partition(":")
-            extra += getattr(importlib.import_module(module), function)(names)
+            extra += adapter_function(info.companions)(names)
     return [*requested, *extra]
 
 
