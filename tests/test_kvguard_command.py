@@ -165,7 +165,7 @@ BAD_OPTIONS: dict[str, tuple[list[str], str]] = {
     "capacity": (["x.gguf", "--cap", "0"], "argument --cap: 0 is below 1"),
     "compare": (["a.json", "b.json", "--tolerance", "lots"], "argument --tolerance: "),
     "scenarios": (["--schema", "--nope"], "unrecognized arguments: --nope"),
-    "docs": (["--nope"], "unrecognized argument --nope: give --check or --write"),
+    "docs": (["--nope"], "unrecognized arguments: --nope"),
     "model-facts": (["smollm2-135m", "--chat-tokens", "x"], "argument --chat-tokens: invalid int"),
     "quantize": (["in.gguf", "Q8_0", "out.gguf", "--nope"], "unrecognized arguments: --nope"),
     "env": (["mlx-lm==0.28.0", "--dir"], "argument --dir: expected one argument"),

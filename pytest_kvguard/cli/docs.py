@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, cast
 
-from pytest_kvguard.core.args import usage_error
+from pytest_kvguard.core.args import OneLineParser
 from pytest_kvguard.core.budgets import known_limits
 from pytest_kvguard.core.errors import KvguardError
 from pytest_kvguard.core.policies import POLICY_KINDS, POSITION_MODES
@@ -307,33 +307,24 @@ def regenerate(text: str) -> str:
 def docs_main(argv: Sequence[str] | None = None, *, prog: str = "kvguard-docs") -> int:
     """``kvguard docs``: print every generated table; ``--check [FILE]``: exit 1 when a copy in
     FILE (default docs/reference.md) is stale; ``--write [FILE]``: regenerate them there."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    usage = f"usage: {prog} [--check | --write] [FILE]\n"
-    if args in (["-h"], ["--help"]):
-        sys.stdout.write(
-            f"{usage}\nThe reference tables of {REFERENCE}, generated from the code.\n\n"
-            "options:\n"
-            "  (none)        print every generated table\n"
-            f"  --check FILE  exit 1 naming the sections whose copy in FILE (default {REFERENCE})"
-            " is stale\n"
-            "  --write FILE  regenerate them in FILE\n"
-        )
-        return 0
-    if not args:
+    parser = OneLineParser(
+        prog=prog, description=f"The reference tables of {REFERENCE}, generated from the code."
+    )
+    action = parser.add_mutually_exclusive_group()
+    action.add_argument("--check", nargs="?", const=REFERENCE, type=Path, metavar="FILE",
+                        help=f"exit 1 naming the sections whose copy in FILE (default "
+                        f"{REFERENCE}) is stale")  # fmt: skip
+    action.add_argument("--write", nargs="?", const=REFERENCE, type=Path, metavar="FILE",
+                        help="regenerate them in FILE (default: the same)")  # fmt: skip
+    args = parser.parse_args(argv)
+    if args.check is None and args.write is None:
         for name, render in SECTIONS.items():
             sys.stdout.write(f"<!-- generated: {name} -->\n{render()}<!-- end generated -->\n\n")
         return 0
-    if args[0] not in ("--check", "--write"):
-        sys.stderr.write(usage_error(prog, f"unrecognized argument {args[0]}: give --check or "
-                                     "--write, with a FILE or none"))  # fmt: skip
-        return 2
-    if len(args) > 2:
-        sys.stderr.write(usage_error(prog, f"unrecognized arguments: {' '.join(args[2:])}"))
-        return 2
-    path = Path(args[1]) if len(args) == 2 else REFERENCE
+    path: Path = args.write if args.check is None else args.check
     try:
         text = path.read_text(encoding="utf-8")
-        if args[0] == "--write":
+        if args.write is not None:
             missing = [n for n in SECTIONS if f"<!-- generated: {n} -->" not in text]
             path.write_text(regenerate(text), encoding="utf-8")
             if missing:
@@ -354,20 +345,14 @@ def docs_main(argv: Sequence[str] | None = None, *, prog: str = "kvguard-docs") 
 
 def main(argv: Sequence[str] | None = None, *, prog: str = "kvguard-scenarios") -> int:
     """``kvguard scenarios``: the tables as Markdown; ``--schema``: the JSON report's schema."""
-    args = sys.argv[1:] if argv is None else list(argv)
-    usage = f"usage: {prog} [--schema]\n"
-    if args in (["-h"], ["--help"]):
-        sys.stdout.write(
-            f"{usage}\nEach scenario's check keys, parameters and budgets, as Markdown, for "
-            "the installed version.\n\noptions:\n"
-            "  --schema  print the JSON report's schema instead\n"
-        )
-    elif args == ["--schema"]:
+    parser = OneLineParser(
+        prog=prog,
+        description="Each scenario's check keys, parameters and budgets, as Markdown, for the "
+        "installed version.",
+    )
+    parser.add_argument("--schema", action="store_true", help="print the JSON report's schema")
+    if parser.parse_args(argv).schema:
         sys.stdout.write(json.dumps(report_schema(), indent=2) + "\n")
-    elif args:
-        extra = " ".join(a for a in args if a != "--schema") or " ".join(args[1:])
-        sys.stderr.write(usage_error(prog, f"unrecognized arguments: {extra}"))
-        return 2
     else:
         sys.stdout.write(scenarios_markdown())
     return 0
