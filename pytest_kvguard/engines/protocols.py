@@ -330,8 +330,63 @@ class ReusesThroughApi(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class Decoded:
+    """Greedy tokens one call of an engine's generation path emitted (``Speculates``), with
+    what the scenario judges them by."""
+
+    tokens: tuple[int, ...]
+    """The emitted token ids, in order."""
+    logprobs: np.ndarray
+    """log p of each emitted token under the logits the engine sampled it from."""
+    margins: np.ndarray
+    """log p of the best token minus log p of the second best, at each emitted token: how
+    far the greedy choice was from a tie."""
+    rounds: tuple[tuple[int, int, int], ...] = ()
+    """Each verification round of a draft path: (index of the first token it emits, tokens
+    drafted, drafts accepted); empty for the plain path."""
+    seconds: float = 0.0
+    """Wall time of the generation call (prefill included), never gated."""
+    held: int | None = None
+    """KV entries the target's largest cache layer held at the end; None where unread."""
+    refused: str | None = None
+    """The engine refused the call (its own error, in one line): no tokens were emitted."""
+
+
+@runtime_checkable
+class Speculates(Protocol):
+    """Capability ``speculates``: the engine's own speculative decoding path, greedy, and its
+    plain greedy path for the same call (``EngineInfo.speculative_drafts`` names the drafts)."""
+
+    def speculate(
+        self,
+        policy: Policy,
+        prompt: Sequence[int],
+        new_tokens: int,
+        draft: str | None,
+        num_draft: int,
+        prefilled: int = 0,
+    ) -> Decoded:
+        """Generate ``new_tokens`` greedy tokens after ``prompt`` under ``policy`` through the
+        engine's public generation call, with ``draft`` (None: the plain path, no draft)
+        proposing up to ``num_draft`` tokens per round. With ``prefilled``, the prompt's first
+        ``prefilled`` ids are already in the cache when the call starts (a chat's earlier
+        turns), and the call gets the rest."""
+        ...
+
+    def verification_noise(
+        self, prompt: Sequence[int], plain: Decoded, num_draft: int
+    ) -> tuple[float, float]:
+        """The engine's own noise on a correct (full) cache: the plain path's tokens after
+        ``prompt`` verified in batches of ``num_draft + 1``, as a draft path verifies them,
+        against decoding them one at a time. Returns the largest |difference| of the emitted
+        tokens' log probabilities and of their top-2 margins (nats)."""
+        ...
+
+
 CAPABILITIES: dict[str, type] = {
     "reads_attention": ReadsAttention,
+    "speculates": Speculates,
     "groups": GroupsStreams,
     "shifts": ReportsShifts,
     "api_reuse": ReusesThroughApi,

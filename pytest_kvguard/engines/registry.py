@@ -30,6 +30,8 @@ ENGINE_PATHS = {
     "generation": "the engine's own generation (Engine.converse)",
     "reads_attention": "the engine's attention probabilities under the full cache "
     "(capability reads_attention)",
+    "speculative": "the engine's own speculative decoding against its plain greedy decoding "
+    "(capability speculates)",
 }
 """How a scenario may drive an engine, and what that path calls."""
 
@@ -118,6 +120,12 @@ class EngineInfo:
     """``module:function``, ``function() -> str``: readies the pytest process before any test
     module can import the engine (mlx: OpenBLAS preloaded); it returns the session header's
     line for the engine. Called where the engine is installed; imports no engine."""
+    speculative_drafts: tuple[str, ...] = ()
+    """The drafts its speculative path takes (``scenarios/speculative.py`` DRAFTS), its
+    default first; empty: it has none."""
+    speculative_prefilled: bool = False
+    """Its speculative path can start from a cache that already holds a prompt (mlx-lm's
+    ``prompt_cache``): the speculative scenario's ``prefilled``."""
     architecture_probe: str | None = None
     """``module:function``, ``function(path) -> reason | None``: the engine's own refusal of
     a user's GGUF file, asked before any run where the engine runs in the pytest process."""

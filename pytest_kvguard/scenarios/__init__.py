@@ -19,6 +19,7 @@ from pytest_kvguard.scenarios import (
     memory,
     parity,
     recall,
+    speculative,
     stream,
     sweep,
 )
@@ -39,6 +40,7 @@ SCENARIOS: dict[str, Scenario[Any]] = {
         generate.SCENARIO,
         attention.SCENARIO,
         attention_parity.SCENARIO,
+        speculative.SCENARIO,
     )
 }
 

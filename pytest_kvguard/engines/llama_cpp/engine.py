@@ -25,7 +25,7 @@ from pytest_kvguard.engines.llama_cpp.prefix_cache import LlamaCppPrefixCache
 from pytest_kvguard.engines.llama_cpp.stream import LlamaCppStream
 from pytest_kvguard.engines.llama_log import captured_log, init_backend, log_excerpt
 from pytest_kvguard.engines.options import EngineOptions
-from pytest_kvguard.engines.protocols import API_STATES, AttentionRows
+from pytest_kvguard.engines.protocols import API_STATES, AttentionRows, Decoded
 from pytest_kvguard.inputs.chats import ChatTemplate
 
 
@@ -156,6 +156,22 @@ class LlamaCppEngine:
             return converse_through_stream(stream, token_ids, turns, step)
         finally:
             stream.close()
+
+    def speculate(
+        self, policy: Policy, prompt: Sequence[int], new_tokens: int, draft: str | None,
+        num_draft: int, prefilled: int = 0,
+    ) -> Decoded:  # fmt: skip
+        """llama-cpp-python's ``Llama`` with (or, draft None, without) prompt lookup."""
+        from pytest_kvguard.engines.llama_cpp.speculative import speculate
+
+        return speculate(self, policy, prompt, new_tokens, draft, num_draft, prefilled)
+
+    def verification_noise(
+        self, prompt: Sequence[int], plain: Decoded, num_draft: int
+    ) -> tuple[float, float]:
+        from pytest_kvguard.engines.llama_cpp.speculative import verification_noise
+
+        return verification_noise(self, prompt, plain, num_draft)
 
     def close(self) -> None:
         self.chat_calls.close()

@@ -33,7 +33,7 @@ from pytest_kvguard.engines.mlx.caches import make_caches  # noqa: E402
 from pytest_kvguard.engines.mlx.gguf import load_gguf_model  # noqa: E402
 from pytest_kvguard.engines.mlx.stream import MlxPrefixCache, MlxStream, MlxStreamGroup  # noqa: E402
 from pytest_kvguard.engines.options import EngineOptions  # noqa: E402
-from pytest_kvguard.engines.protocols import AttentionRows  # noqa: E402
+from pytest_kvguard.engines.protocols import AttentionRows, Decoded  # noqa: E402
 from pytest_kvguard.inputs.chats import ChatTemplate, NoChatTemplate  # noqa: E402
 
 
@@ -216,8 +216,33 @@ class MlxEngine:
             done += len(reply)
         return nll
 
+    def load_weights_again(self) -> Any:
+        """A second copy of the model's weights, as loaded (a draft quantizes its own)."""
+        if self.model_path.is_file():
+            return load_gguf_model(self.model_path)[0]
+        from mlx_lm import load as mlx_load
+
+        return mlx_load(str(self.model_path))[0]
+
+    def speculate(
+        self, policy: Policy, prompt: Sequence[int], new_tokens: int, draft: str | None,
+        num_draft: int, prefilled: int = 0,
+    ) -> Decoded:  # fmt: skip
+        """mlx-lm's ``speculative_generate_step`` (or, with no draft, ``generate_step``)."""
+        from pytest_kvguard.engines.mlx.speculative import speculate
+
+        return speculate(self, policy, prompt, new_tokens, draft, num_draft, prefilled)
+
+    def verification_noise(
+        self, prompt: Sequence[int], plain: Decoded, num_draft: int
+    ) -> tuple[float, float]:
+        from pytest_kvguard.engines.mlx.speculative import verification_noise
+
+        return verification_noise(self, prompt, plain, num_draft)
+
     def close(self) -> None:
         self.model = None
+        self.__dict__.pop("_drafts", None)
         mx.clear_cache()
 
 
