@@ -76,6 +76,19 @@ def assert_row_holds(row: Mapping[str, Any], check: Check[Any]) -> None:
             # Nothing slides out of these caches: the whole common prefix is reused.
             assert m["reused_tokens"] == min(m["split"], m["prompt_tokens"] - 1)
         return
+    if check.scenario == "speculative":
+        if m["refused"]:
+            # Only a cache already past its cap may be refused, and nothing was emitted.
+            assert spec.prefilled > 0 and detail["refused"], row["name"]
+            return
+        # Drafts were made and some rejected (no hollow pass); a divergence is counted only
+        # where it is one, and the gap is judged against twice the measured noise.
+        assert m["drafted"] > 0 and m["accepted"] <= m["drafted"]
+        assert m["rejections_past_cap"] > 0
+        assert 0 <= m["divergent_tokens_past_noise"] <= m["divergent_tokens"] <= spec.new_tokens
+        assert m["logprob_gap_excess"] == pytest.approx(m["logprob_gap"] - 2 * m["noise_logprob"])
+        assert (detail["first_divergence"] is None) == (m["divergent_tokens"] == 0)
+        return
     if check.scenario == "memory":
         # Every length reached; a cap holds exactly min(n, cap) entries (the engine's count).
         samples = detail["samples"]

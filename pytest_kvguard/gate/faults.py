@@ -110,6 +110,15 @@ def _stale_trim(stack: contextlib.ExitStack) -> None:
         _set(stack, server, "trim_prompt_cache", trim_nothing)
 
 
+def _draft_trim_ignored(stack: contextlib.ExitStack) -> None:
+    from mlx_lm.models.cache import KVCache
+
+    def trim_nothing(self: Any, n: int) -> int:
+        return int(min(self.offset, n))  # reports the tokens trimmed; the drafts stay
+
+    _set(stack, KVCache, "trim", trim_nothing)
+
+
 def _window_not_checked(stack: contextlib.ExitStack) -> None:
     from pytest_kvguard.engines.llama_cpp.prefix_cache import LlamaCppPrefixCache
 
@@ -206,6 +215,14 @@ FAULTS: dict[str, Fault] = {
             "decoded after the old prompt's tail, with the same counts",
             ("smollm2-mlx-full-edit-end", "smollm2-mlx-full-edit-end-api"),
             _stale_trim,
+        ),
+        Fault(
+            "draft_trim_ignored",
+            "mlx",
+            "KVCache.trim reports the tokens trimmed and trims nothing: a draft path's rejected "
+            "drafts stay in the full cache",
+            ("smollm2-mlx-speculative-full",),
+            _draft_trim_ignored,
         ),
         Fault(
             "window_not_checked",

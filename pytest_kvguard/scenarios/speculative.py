@@ -16,6 +16,7 @@ was trimmed where trimming matters), is an error, not a pass.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -241,7 +242,12 @@ class SpeculativeScenario(Scenario[SpeculativeSpec]):
 
         def noise() -> tuple[float, float]:
             assert isinstance(engine, Speculates)
-            return engine.verification_noise(prompt, decoded_full(), spec.num_draft)
+            started = time.perf_counter()
+            measured = engine.verification_noise(prompt, decoded_full(), spec.num_draft)
+            ctx.say(f"{check.engine} {check.model.name}: verification noise {measured[0]:.2g} "
+                    f"nats (log p), {measured[1]:.2g} (margin), measured in "
+                    f"{time.perf_counter() - started:.1f} s")  # fmt: skip
+            return measured
 
         def decoded_full() -> Decoded:
             return ctx.memo(("speculative", *base[:-1], 0, Policy("full"), None, 0),
