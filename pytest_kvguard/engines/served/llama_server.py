@@ -36,6 +36,8 @@ from pytest_kvguard.core.errors import EngineError, KvguardError
 from pytest_kvguard.core.policies import Policy
 from pytest_kvguard.engines.conversation import Turn
 from pytest_kvguard.engines.options import EngineOptions
+from pytest_kvguard.engines.protocols import Decoded
+from pytest_kvguard.engines.served import server_speculative
 from pytest_kvguard.engines.served.process import (
     DEFAULT_REQUEST_TIMEOUT,
     REQUEST_TIMEOUT_ENV,
@@ -309,6 +311,23 @@ class LlamaServerEngine:
         found = re.findall(r"slot context shift, n_keep = (\d+), n_left = (\d+), n_discard = (\d+)",
                            self.server.log_text()[log_start:])  # fmt: skip
         return [(int(a), int(b), int(c)) for a, b, c in found]
+
+    # -- speculative -----------------------------------------------------------------------
+
+    def speculate(
+        self, policy: Policy, prompt: Sequence[int], new_tokens: int, draft: str | None,
+        num_draft: int, prefilled: int = 0,
+    ) -> Decoded:  # fmt: skip
+        """The server with the draft model (``--model-draft``) against the same server
+        without it (``server_speculative``)."""
+        return server_speculative.speculate(
+            self, policy, prompt, new_tokens, draft, num_draft, prefilled
+        )
+
+    def verification_noise(
+        self, prompt: Sequence[int], plain: Decoded, num_draft: int
+    ) -> tuple[float, float]:
+        return server_speculative.verification_noise(self, prompt, plain, num_draft)
 
     # -- not through HTTP ------------------------------------------------------------------
 

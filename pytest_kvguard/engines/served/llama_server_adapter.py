@@ -15,12 +15,14 @@ ADAPTER = EngineInfo(
     policies={
         "prefix_cache": ("full", "swa", "swa_full"),
         "generation": ("window", "sink", "engine_default"),
+        "speculative": ("full", "swa", "swa_full"),
     },
     position_modes=("reindexed",),
     model_forms=("gguf", "url"),
     context_step=256,
     binary=True,
-    capabilities=frozenset({"shifts", "replay"}),
+    capabilities=frozenset({"shifts", "replay", "speculates"}),
+    speculative_drafts=("gguf_q4_0", "gguf_q3_k"),
     kv_precision="cache_types",
     kv_precision_paths=("prefix_cache", "generation"),
 )
