@@ -2,15 +2,13 @@
 re-quantized to Q4_0 as its draft (``--model-draft --spec-type draft-simple``), against the
 same server without it, on the bundled models.
 
-SmolLM2 on the full policy must pass with drafts made and rejected; Gemma 3 on its small
-sliding-window cache (the server's default) must report its figures, whatever its verdict.
-The server gives no log probability for the tokens its verification rounds emit, so the
-draft path's log-probability gap is NaN and no check here budgets it.
+SmolLM2 on the full policy must pass with drafts made and rejected (Gemma 3's sliding-window
+rows, slower, are the full gate's). The server gives no log probability for the tokens its
+verification rounds emit, so the draft path has no log-probability gap to judge.
 """
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
@@ -34,13 +32,7 @@ checks:
     scenario: speculative
     model: smollm2-135m
     policy: full
-    params: {prompt: 160, new_tokens: 96}
-    budgets: {max_divergent_tokens: 0}
-  - name: gemma3-server-spec-swa
-    scenario: speculative
-    model: gemma3-270m
-    policy: swa
-    params: {prompt: 480, new_tokens: 96}
+    params: {prompt: 160, new_tokens: 64}
     budgets: {max_divergent_tokens: 0}
 """
 
@@ -81,16 +73,6 @@ def test_smollm2_full_passes_with_drafts_rejected(outcomes: dict[str, object]) -
     assert outcome.verdict == "PASS", outcome.violations  # type: ignore[attr-defined]
     assert m["drafted"] > 0 and 0 < m["accepted"] < m["drafted"]
     assert m["rejections_past_cap"] > 0
-    # The server writes no log probability for a verified round's tokens: NaN, not 0.
-    assert math.isnan(m["logprob_gap"])
+    # The server writes no log probability for a verified round's tokens: no gap is judged.
+    assert "logprob_gap" not in m and "logprob_gap_excess" not in m
     assert np.isfinite(m["noise_margin"]) and m["noise_margin"] >= 0
-
-
-def test_gemma3_swa_reports_its_figures(outcomes: dict[str, object]) -> None:
-    outcome = outcomes["gemma3-server-spec-swa"]
-    m, d = outcome.metrics, outcome.detail  # type: ignore[attr-defined]
-    assert d.cap == 512 and m["drafted"] > 0 and m["rejections_past_cap"] > 0
-    assert np.isfinite(m["noise_margin"]) and np.isfinite(m["noise_logprob"])
-    if d.first_divergence is not None:
-        assert d.first_divergence > 480 and np.isfinite(m["divergence_margin"])
-    assert d.plain_tokens_per_second > 0 and d.spec_tokens_per_second > 0

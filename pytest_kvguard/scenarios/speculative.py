@@ -45,9 +45,9 @@ from pytest_kvguard.scenarios.limits import MAX_KV_ENTRIES
 from pytest_kvguard.scenarios.validate import require_text_room
 
 DRAFTS = {
-    "gguf_q3_k": "mlx-lm: the target's GGUF re-quantized to Q3_K_M by llama.cpp's quantizer, "
-    "loaded as the target is",
-    "gguf_q4_0": "mlx-lm: the same at Q4_0 (fewer rejected drafts)",
+    "gguf_q3_k": "mlx-lm, llama-server: the target's GGUF re-quantized to Q3_K_M by llama.cpp's "
+    "quantizer, loaded as the target is (llama-server: --model-draft)",
+    "gguf_q4_0": "mlx-lm, llama-server: the same at Q4_0 (fewer rejected drafts)",
     "mlx_q4": "mlx-lm: the target's weights quantized to 4 bits by mlx (nn.quantize, groups "
     "of 64); slow on CPU",
     "mlx_q3": "mlx-lm: the same at 3 bits",
@@ -301,7 +301,10 @@ class SpeculativeScenario(Scenario[SpeculativeSpec]):
     ) -> Measured:  # fmt: skip
         at = first_difference(plain.tokens, run.tokens)
         same = len(run.tokens) if at is None else at
-        gap = float(np.abs(plain.logprobs[:same] - run.logprobs[:same]).max(initial=0.0))
+        gaps = np.abs(plain.logprobs[:same] - run.logprobs[:same])
+        # An engine that reports no log p for some emitted tokens (llama-server's verified
+        # drafts) has no gap to judge: the figure is left out, and a budget on it is refused.
+        gap = None if np.isnan(gaps).any() else float(gaps.max(initial=0.0))
         divergent = 0 if at is None else sum(
             1 for i in range(at, max(len(plain.tokens), len(run.tokens)))
             if i >= min(len(plain.tokens), len(run.tokens)) or plain.tokens[i] != run.tokens[i]
@@ -319,8 +322,8 @@ class SpeculativeScenario(Scenario[SpeculativeSpec]):
             "first_divergence_past_cap": math.nan if at is None or fills is None
             else float(spec.prompt + at - fills),
             "divergence_margin": margin,
-            "logprob_gap": gap,
-            "logprob_gap_excess": gap - NOISE_TOLERANCE * lp_noise,
+            **({} if gap is None else {"logprob_gap": gap,
+                                       "logprob_gap_excess": gap - NOISE_TOLERANCE * lp_noise}),
             "noise_logprob": lp_noise,
             "noise_margin": margin_noise,
             "drafted": float(drafted),
@@ -362,7 +365,8 @@ class SpeculativeScenario(Scenario[SpeculativeSpec]):
                 else f"{d.first_divergence} ({m['divergent_tokens']:.0f} tok)",
                 "-" if d.first_divergence is None
                 else f"{m['divergence_margin']:.3g}/{m['noise_margin']:.2g}",
-                f"{m['logprob_gap']:.2g}/{m['noise_logprob']:.2g}",
+                f"{m['logprob_gap']:.2g}/{m['noise_logprob']:.2g}" if "logprob_gap" in m
+                else f"n/a/{m['noise_logprob']:.2g}",
                 f"{d.plain_tokens_per_second:.1f}/{d.spec_tokens_per_second:.1f}",
             ]])  # fmt: skip
         return headers, lines
