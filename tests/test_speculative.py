@@ -44,6 +44,9 @@ def test_prompt_lookup_rounds_count_the_drafts_that_match() -> None:
     # Asked with 11 ids (prompt 10 + 1 emitted): proposals for tokens 1.. of the reply.
     proposals = [(11, [8, 9, 1]), (13, []), (13, [7, 8]), (15, [3])]
     assert rounds_of(proposals, prompt=10, emitted=emitted) == [(1, 3, 2), (3, 2, 2)]
+    # A proposal that runs past the last emitted token: only what was verified counts, and a
+    # draft the call never reached is no rejection.
+    assert rounds_of([(14, [8, 5])], prompt=10, emitted=emitted) == [(4, 1, 1)]
 
 
 def _written(tmp_path: Path, check: str) -> Path:

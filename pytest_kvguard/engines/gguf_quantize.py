@@ -5,6 +5,7 @@ model (the target re-quantized). Imports llama-cpp-python only when called."""
 from __future__ import annotations
 
 import atexit
+import hashlib
 import os
 import shutil
 import tempfile
@@ -92,7 +93,9 @@ def requantized(source: Path, kind: str) -> Path:
         if _DRAFT_DIR is None:
             _DRAFT_DIR = Path(tempfile.mkdtemp(prefix="kvguard-drafts-"))
             atexit.register(shutil.rmtree, _DRAFT_DIR, True)
-        output = _DRAFT_DIR / f"{source.stem}.{kind.upper()}.gguf"
+        # Two models may share a file name: the folder's hash keeps their drafts apart.
+        where = hashlib.sha256(str(key[0]).encode()).hexdigest()[:12]
+        output = _DRAFT_DIR / f"{source.stem}-{where}.{kind.upper()}.gguf"
         quantize(source, kind, output)
         _REQUANTIZED[key] = output
     return _REQUANTIZED[key]

@@ -342,6 +342,9 @@ class Decoded:
     margins: np.ndarray
     """log p of the best token minus log p of the second best, at each emitted token: how
     far the greedy choice was from a tie."""
+    runners_up: tuple[int, ...] | None = None
+    """The second-best token at each emitted token (what a flipped near tie emits instead);
+    None where the engine does not say."""
     rounds: tuple[tuple[int, int, int], ...] = ()
     """Each verification round of a draft path: (index of the first token it emits, tokens
     drafted, drafts accepted); empty for the plain path."""

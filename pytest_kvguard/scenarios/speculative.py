@@ -93,9 +93,9 @@ MAX_DIVERGENT_TOKENS = Limit(
     "max_divergent_tokens", "divergent_tokens_past_noise", "max", " tokens", "diverged",
     "tokens the draft path emitted unlike plain greedy decoding",
     "speculative: tokens the draft path emits unlike the plain path from the first divergence "
-    "on, counted where the plain path's top-2 margin there exceeds NOISE_TOLERANCE (2) times "
-    "the engine's measured verification noise (a near tie a batched pass flips is reported, "
-    "not counted).",
+    "on; not counted where the draft path emitted the plain path's runner-up and the plain "
+    "path's top-2 margin there is within NOISE_TOLERANCE (2) times the engine's measured "
+    "verification noise (a near tie a batched pass flips: reported).",
 )  # fmt: skip
 MAX_LOGPROB_GAP_EXCESS = Limit(
     "max_logprob_gap_excess", "logprob_gap_excess", "max", " nats", "lp gap",
@@ -230,9 +230,15 @@ class SpeculativeScenario(Scenario[SpeculativeSpec]):
             key = ("speculative", *base, spec.policy, draft, spec.num_draft if draft else 0)
             return ctx.memo(key, call)[0]
 
+        fills = cache_fills_at(spec.policy, check.model)
+        if fills is not None and spec.prompt + spec.new_tokens <= fills:
+            raise KvguardError(
+                f"prompt {spec.prompt} + new_tokens {spec.new_tokens} never fill the model's "
+                f"sliding window ({fills} tokens): nothing past it would be judged",
+                fix=f"raise new_tokens to at least {fills - spec.prompt + 64}",
+            )
         plain = decoded(None)
         spec_run = decoded(spec.draft)
-        fills = cache_fills_at(spec.policy, check.model)
         if spec_run.refused is not None:
             if not spec.prefilled or plain.refused is not None:
                 raise KvguardError(f"{check.engine} refused the speculative call: "
@@ -277,7 +283,8 @@ class SpeculativeScenario(Scenario[SpeculativeSpec]):
             raise KvguardError(
                 f"{engine} rejected no draft {where} ({drafted} drafted): no trim was "
                 "exercised where it matters, so nothing was judged",
-                fix="raise new_tokens or num_draft, or use a draft that disagrees more (q4)",
+                fix="raise new_tokens or num_draft, or use a draft that disagrees more "
+                "(gguf_q3_k, mlx_q3)",
             )
 
     def _refused(
@@ -287,8 +294,7 @@ class SpeculativeScenario(Scenario[SpeculativeSpec]):
         """The engine refused a cache it cannot trim, loudly: nothing diverged."""
         return Measured(
             policy=spec.policy.describe(), tokens=spec.prompt + spec.new_tokens, text=text,
-            metrics={"divergent_tokens_past_noise": 0.0, "logprob_gap_excess": 0.0,
-                     "refused": 1.0},
+            metrics={"divergent_tokens_past_noise": 0.0, "judged_tokens": 0.0, "refused": 1.0},
             seconds={"plain": plain.seconds, "speculative": run.seconds},
             tokens_per_second=len(plain.tokens) / plain.seconds if plain.seconds else math.inf,
             detail=SpeculativeDetail(fills, spec.draft, spec.num_draft, None, run.refused,
@@ -310,12 +316,28 @@ class SpeculativeScenario(Scenario[SpeculativeSpec]):
             if i >= min(len(plain.tokens), len(run.tokens)) or plain.tokens[i] != run.tokens[i]
         )  # fmt: skip
         margin = math.nan if at is None or at >= len(plain.margins) else float(plain.margins[at])
-        # A divergence at a near tie the engine's own noise can flip is reported, not counted.
-        near_tie = margin <= NOISE_TOLERANCE * margin_noise
+        # A divergence counts unless it is a near tie flipped: the draft path emitted the plain
+        # path's runner-up, and the two were closer than the engine's own noise moves them.
+        flipped = (
+            at is not None
+            and at < len(run.tokens)
+            and (plain.runners_up is None or plain.runners_up[at] == run.tokens[at])
+        )
+        near_tie = flipped and margin <= NOISE_TOLERANCE * margin_noise
         counted = divergent if at is not None and not near_tie else 0
+        # Past an uncounted divergence the paths decode different texts: nothing is compared.
+        judged = at if at is not None and near_tie else len(run.tokens)
         drafted = sum(r[1] for r in run.rounds)
         accepted = sum(r[2] for r in run.rounds)
         past = 0 if fills is None else fills - spec.prompt
+        rejections = sum(1 for r in run.rounds if past <= r[0] < judged and r[2] < r[1])
+        if rejections == 0:
+            raise KvguardError(
+                f"the paths parted at a near tie at {spec.prompt + judged} (margin {margin:.3g} "
+                f"nats, noise {margin_noise:.2g}) before any draft was rejected after the cache "
+                "filled: nothing past the cap was judged",
+                fix="use another prompt or num_draft, or a draft that disagrees more (gguf_q3_k)",
+            )
         metrics = {
             "divergent_tokens_past_noise": float(counted),
             "divergent_tokens": float(divergent),
@@ -329,8 +351,8 @@ class SpeculativeScenario(Scenario[SpeculativeSpec]):
             "drafted": float(drafted),
             "accepted": float(accepted),
             "acceptance_pct": 100.0 * accepted / drafted if drafted else math.nan,
-            "rejections_past_cap": float(sum(1 for r in run.rounds
-                                             if r[0] >= past and r[2] < r[1])),
+            "rejections_past_cap": float(rejections),
+            "judged_tokens": float(judged),
             "refused": 0.0,
         }  # fmt: skip
         if run.held is not None:

@@ -47,20 +47,23 @@ class RecordedLookup(LlamaPromptLookupDecoding):
 
 
 def recorder(
-    tokens: list[int], logprobs: list[float], margins: list[float]
+    tokens: list[int], logprobs: list[float], margins: list[float], runners_up: list[int]
 ) -> Callable[[Any, np.ndarray], np.ndarray]:
     """A ``logits_processor`` that records the greedy token of the logits it is given, its log
-    probability and its margin over the second best, and returns the logits unchanged."""
+    probability, its margin over the second best and that second best, and returns the logits
+    unchanged."""
 
     def record(input_ids: Any, scores: np.ndarray) -> np.ndarray:
         wide = scores.astype(np.float64)
         peak = wide.max()
         lp = wide - (peak + np.log(np.exp(wide - peak).sum()))
-        best = int(np.argmax(lp))
-        second = float(np.partition(lp, -2)[-2])
+        second, best = (int(i) for i in np.argpartition(lp, -2)[-2:])
+        if lp[second] > lp[best] or (lp[second] == lp[best] and second < best):
+            best, second = second, best  # argmax's choice on a tie: the lower id
         tokens.append(best)
         logprobs.append(float(lp[best]))
-        margins.append(float(lp[best]) - second)
+        margins.append(float(lp[best] - lp[second]))
+        runners_up.append(second)
         return scores
 
     return record
@@ -74,14 +77,14 @@ def rounds_of(
     rounds = []
     for context, drafted in proposals:
         start = context - prompt
-        if start >= len(emitted) or not drafted:
+        # Drafts past the last emitted token were never verified (the call had its tokens).
+        verified = min(len(drafted), len(emitted) - start)
+        if verified <= 0:
             continue
         accepted = 0
-        while accepted < len(drafted) and start + accepted < len(emitted):
-            if drafted[accepted] != emitted[start + accepted]:
-                break
+        while accepted < verified and drafted[accepted] == emitted[start + accepted]:
             accepted += 1
-        rounds.append((start, len(drafted), accepted))
+        rounds.append((start, verified, accepted))
     return rounds
 
 
@@ -108,7 +111,7 @@ class OracleDraft(LlamaDraftModel):
 def _complete(
     engine: LlamaCppEngine, policy: Policy, prompt: Sequence[int], new_tokens: int,
     draft_model: LlamaDraftModel | None,
-) -> tuple[list[int], list[float], list[float], float]:  # fmt: skip
+) -> tuple[list[int], list[float], list[float], float, list[int]]:  # fmt: skip
     """One ``create_completion`` at temperature 0 on a fresh ``Llama``: the sampled tokens,
     their log probabilities and top-2 margins, and the call's seconds."""
     from llama_cpp import Llama, LogitsProcessorList
@@ -132,11 +135,13 @@ def _complete(
     tokens: list[int] = []
     logprobs: list[float] = []
     margins: list[float] = []
+    runners_up: list[int] = []
     started = time.perf_counter()
     try:
+        record = recorder(tokens, logprobs, margins, runners_up)
         llm.create_completion(
             prompt=list(prompt), max_tokens=new_tokens, temperature=0.0,
-            logits_processor=LogitsProcessorList([recorder(tokens, logprobs, margins)]),
+            logits_processor=LogitsProcessorList([record]),
         )  # fmt: skip
         seconds = time.perf_counter() - started
         # The Llama holds what it evaluated: the prompt, then the tokens it sampled (the last
@@ -155,7 +160,7 @@ def _complete(
             f"the Llama holds {len(held)} tokens after its prompt where {len(tokens)} were "
             f"sampled, first unlike at {unlike}"
         )
-    return tokens, logprobs, margins, seconds
+    return tokens, logprobs, margins, seconds, runners_up
 
 
 def speculate(
@@ -175,9 +180,11 @@ def speculate(
     if draft not in (None, "prompt_lookup"):
         raise KvguardError(f"llama-cpp-python has no draft '{draft}'", fix="use prompt_lookup")
     lookup = None if draft is None else RecordedLookup(num_draft)
-    tokens, logprobs, margins, seconds = _complete(engine, policy, prompt, new_tokens, lookup)
+    tokens, logprobs, margins, seconds, runners_up = _complete(
+        engine, policy, prompt, new_tokens, lookup
+    )
     return Decoded(
-        tuple(tokens), np.array(logprobs), np.array(margins),
+        tuple(tokens), np.array(logprobs), np.array(margins), runners_up=tuple(runners_up),
         rounds=() if lookup is None else tuple(rounds_of(lookup.proposals, len(prompt), tokens)),
         seconds=seconds,
     )  # fmt: skip
@@ -192,7 +199,7 @@ def verification_noise(
     lp_gap = margin_gap = 0.0
     for phase in range(num_draft + 1):
         oracle = OracleDraft(len(prompt), plain.tokens, num_draft, phase)
-        tokens, logprobs, margins, _ = _complete(
+        tokens, logprobs, margins, _, _ = _complete(
             engine, Policy("full"), prompt, len(plain.tokens), oracle
         )
         n = min(len(tokens), len(plain.tokens))

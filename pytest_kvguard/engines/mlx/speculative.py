@@ -13,6 +13,7 @@ It agrees with the target often, not always, so some drafts are rejected and
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -88,10 +89,10 @@ def rounds_of(flags: Sequence[bool], new_tokens: int, num_draft: int) -> list[tu
     return rounds
 
 
-def top2_margin(logprobs: np.ndarray) -> float:
-    """log p of the best token minus that of the second best."""
-    best, second = np.partition(logprobs, -2)[-2:][::-1]
-    return float(best - second)
+def runner_up(logprobs: np.ndarray, best: int) -> int:
+    """The second-best token: the best of the others."""
+    two = np.argpartition(logprobs, -2)[-2:]
+    return int(two[0] if int(two[1]) == best else two[1])
 
 
 def speculate(
@@ -133,24 +134,28 @@ def speculate(
     tokens: list[int] = []
     logprobs: list[float] = []
     margins: list[float] = []
+    seconds_best: list[int] = []
     flags: list[bool] = []
     try:
         for token, vector, from_draft in steps:
             lp = np.array(vector.astype(mx.float32)).reshape(-1)
             token_id = int(token.item() if hasattr(token, "item") else token)
+            second = runner_up(lp, token_id)
             tokens.append(token_id)
             logprobs.append(float(lp[token_id]))
-            margins.append(top2_margin(lp))
+            margins.append(float(lp[token_id] - lp[second]))
+            seconds_best.append(second)
             flags.append(bool(from_draft))
     except ValueError as exc:
-        if tokens:
+        # mlx-lm (from 0.31.2) refuses a cache it cannot trim before it generates anything:
+        # said, not hidden. Any other error is the engine failing.
+        if tokens or "trimmable" not in str(exc):
             raise EngineError(f"mlx-lm failed after {len(tokens)} tokens: {exc}") from None
-        # mlx-lm refuses a cache it cannot trim before it generates anything: said, not hidden.
         return Decoded((), np.zeros(0), np.zeros(0), refused=f"ValueError: {exc}",
                        seconds=time.perf_counter() - started)  # fmt: skip
     seconds = time.perf_counter() - started
     return Decoded(
-        tuple(tokens), np.array(logprobs), np.array(margins),
+        tuple(tokens), np.array(logprobs), np.array(margins), runners_up=tuple(seconds_best),
         rounds=tuple(rounds_of(flags, new_tokens, num_draft)) if drafter is not None else (),
         seconds=seconds, held=max(cache_size(c) for c in caches),
     )  # fmt: skip
@@ -174,27 +179,33 @@ def verification_noise(
     """See ``protocols.Speculates.verification_noise``. The model is called as mlx-lm's
     generate paths call it, on ``KVCache`` layers: the prompt but its last token prefilled,
     then the last prompt token and the plain tokens one per call (``generate_step``) or
-    ``num_draft + 1`` per call (``speculative_generate_step``'s verification)."""
+    ``num_draft + 1`` per call (``speculative_generate_step``'s verification), at every phase
+    of those batches (the first one 0 to ``num_draft`` tokens shorter)."""
     from mlx_lm.models.cache import KVCache
 
     tokens = list(plain.tokens[:NOISE_TOKENS])
     fed = [prompt[-1], *tokens[:-1]]
-    runs = []
-    for step in (1, num_draft + 1):
+    at = np.arange(len(tokens))
+
+    def run(first: int, step: int) -> np.ndarray:
+        """Log probabilities after each fed token: ``first`` tokens in one call, then
+        ``step`` per call (so the batches fall at another phase)."""
         caches = [KVCache() for _ in engine.model.layers]
         _prefill(engine.model, caches, prompt[:-1])
-        rows = [
-            _logprobs(engine.model(mx.array(fed[i : i + step])[None], cache=caches)[0])
-            for i in range(0, len(fed), step)
-        ]
-        runs.append(np.concatenate(rows))
-    single, batched = runs
-    at = np.arange(len(tokens))
-    lp_gap = float(np.abs(single[at, tokens] - batched[at, tokens]).max())
+        bounds = [0, *range(first or step, len(fed), step), len(fed)]
+        rows = [_logprobs(engine.model(mx.array(fed[a:b])[None], cache=caches)[0])
+                for a, b in itertools.pairwise(bounds)]  # fmt: skip
+        return np.concatenate(rows)
 
     def margins(lp: np.ndarray) -> np.ndarray:
         top = np.partition(lp, -2, axis=1)
         result: np.ndarray = top[:, -1] - top[:, -2]
         return result
 
-    return lp_gap, float(np.abs(margins(single) - margins(batched)).max())
+    single = run(0, 1)
+    lp_gap = margin_gap = 0.0
+    for phase in range(num_draft + 1):
+        batched = run(phase, num_draft + 1)
+        lp_gap = max(lp_gap, float(np.abs(single[at, tokens] - batched[at, tokens]).max()))
+        margin_gap = max(margin_gap, float(np.abs(margins(single) - margins(batched)).max()))
+    return lp_gap, margin_gap

@@ -17,7 +17,8 @@ What the server reports, and what it does not:
   ``logprob: 0.0`` with an empty top list (the accept branch of the server's
   ``server-context.cpp`` sets ``prob = 1.0f`` and leaves ``// TODO: set result.probs``). kvguard
   records those as NaN, never as the 0 the server writes: the log-probability gap of the draft
-  path is not measurable through this server, and a budget on it reads NaN (a violation).
+  path is not measurable through this server, and the scenario leaves that figure out (a
+  budget on it is refused as not applying).
 - **rounds**: ``timings`` has totals only (``draft_n``, ``draft_n_accepted``). The server logs
   each round at ``--log-verbosity 5`` (``generate_draft: ... #tokens=N, #draft=D``, then
   ``add accepted tokens: ... ids.size=A+1, n_draft=D``; its ``accepted A/D`` line is missing
@@ -129,7 +130,7 @@ def _settings(
 def _complete(
     engine: LlamaServerEngine, settings: ServerSettings, prompt: Sequence[int], new_tokens: int,
     extra: dict[str, Any],
-) -> tuple[list[int], np.ndarray, np.ndarray, float, dict[str, Any], str]:  # fmt: skip
+) -> tuple[list[int], np.ndarray, np.ndarray, float, dict[str, Any], str, list[int]]:  # fmt: skip
     """One greedy ``/completion``: the emitted ids, their log probabilities and top-2 margins
     (NaN where the server gave none), the request's seconds, its ``timings`` and what the
     server logged meanwhile."""
@@ -156,16 +157,24 @@ def _complete(
             fix="check the server's log",
         )
     tokens, logprobs, margins = [], np.full(len(probs), np.nan), np.full(len(probs), np.nan)
-    for i, entry in enumerate(probs):
-        tokens.append(int(entry["id"]))
-        top = entry.get("top_logprobs") or []
-        if len(top) >= 2:  # the speculative accept path leaves it empty (see the module doc)
-            best, second = (-math.inf if t["logprob"] is None else float(t["logprob"])
-                            for t in top[:2])  # fmt: skip
-            logprobs[i] = -math.inf if entry["logprob"] is None else float(entry["logprob"])
-            margins[i] = best - second
+    runners_up: list[int] = []
+    try:
+        for i, entry in enumerate(probs):
+            tokens.append(int(entry["id"]))
+            top = entry.get("top_logprobs") or []
+            runners_up.append(int(top[1]["id"]) if len(top) >= 2 else -1)
+            if len(top) >= 2:  # the speculative accept path leaves it empty (see the module doc)
+                best, second = (-math.inf if t["logprob"] is None else float(t["logprob"])
+                                for t in top[:2])  # fmt: skip
+                logprobs[i] = -math.inf if entry["logprob"] is None else float(entry["logprob"])
+                margins[i] = best - second
+    except (KeyError, TypeError, ValueError) as exc:
+        raise EngineError(
+            f"llama-server answered /completion in an unknown shape: {exc!r}",
+            fix="check that this llama-server build is a supported one",
+        ) from None
     timings = answer.get("timings") if isinstance(answer, dict) else None
-    return tokens, logprobs, margins, seconds, timings or {}, log
+    return tokens, logprobs, margins, seconds, timings or {}, log, runners_up
 
 
 def _log_of_request(server: Any, start: int) -> str:
@@ -227,7 +236,7 @@ def speculate(
         )  # fmt: skip
     path = None if draft is None else draft_path(engine, draft)
     settings, extra = _settings(engine, policy, len(prompt), new_tokens, num_draft, path)
-    tokens, logprobs, margins, seconds, timings, log = _complete(
+    tokens, logprobs, margins, seconds, timings, log, runners_up = _complete(
         engine, settings, prompt, new_tokens, extra
     )
     rounds: list[tuple[int, int, int]] = []
@@ -241,13 +250,15 @@ def speculate(
                 f"llama-server logged {sum(r[1] for r in rounds)} drafted tokens in "
                 f"{len(rounds)} rounds where its timings count {drafted}"
             )
-        turned_off = _TURNED_OFF.search(log)
+        # The server says so when it loads the model, before any request: read its whole log.
+        turned_off = _TURNED_OFF.search(engine.server.log_text() if engine.server else log)
         if turned_off and not rounds:
             # It went on without drafts: an error naming the server's reason, never a pass.
             return Decoded((), np.zeros(0), np.zeros(0), seconds=seconds,
                            refused="llama-server turned speculation off: "
                            + turned_off.group(0).strip()[:200])  # fmt: skip
-    return Decoded(tuple(tokens), logprobs, margins, rounds=tuple(rounds), seconds=seconds)
+    return Decoded(tuple(tokens), logprobs, margins, rounds=tuple(rounds), seconds=seconds,
+                   runners_up=tuple(runners_up))  # fmt: skip
 
 
 def verification_noise(
