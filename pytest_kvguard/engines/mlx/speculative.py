@@ -161,7 +161,7 @@ def speculate(
     )  # fmt: skip
 
 
-NOISE_TOKENS = 64
+NOISE_TOKENS = 32
 """Plain tokens the verification noise is measured over (the noise is the kernels', not the
 length's: a few verification batches show it)."""
 
