@@ -30,7 +30,7 @@ ENGINE_PATHS = {
     "generation": "the engine's own generation (Engine.converse)",
     "reads_attention": "the engine's attention probabilities under the full cache "
     "(capability reads_attention)",
-    "speculative": "the engine's own speculative decoding against its plain greedy decoding "
+    "draft_decoding": "the engine's own speculative decoding against its plain greedy decoding "
     "(capability speculates)",
 }
 """How a scenario may drive an engine, and what that path calls."""

@@ -152,6 +152,8 @@ _DETAIL_TYPES = {
     "str": {"type": "string"},
     "float": {"type": "number"},
     "int": {"type": "integer"},
+    "int | None": {"type": ["integer", "null"]},
+    "str | None": {"type": ["string", "null"]},
     "list[int]": {"type": "array", "items": {"type": "integer"}},
     "list[float]": {"type": "array", "items": {"type": "number"}},
     "list[list[float]]": {"type": "array", "items": {"type": "array", "items": {"type": "number"}}},

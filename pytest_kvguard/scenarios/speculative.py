@@ -155,7 +155,7 @@ class SpeculativeScenario(Scenario[SpeculativeSpec]):
     summary = "the engine's speculative decoding against its plain greedy decoding, past the cap"
     params = (PROMPT, NEW_TOKENS, CAP, SINKS, DRAFT, NUM_DRAFT, PREFILLED, TEXT)
     limits = (MAX_DIVERGENT_TOKENS, MAX_LOGPROB_GAP_EXCESS, MAX_KV_ENTRIES)
-    engine_path = "speculative"
+    engine_path = "draft_decoding"
     detail_type = SpeculativeDetail
     footnote = (
         "speculative: 1st diverge is the context length where the draft path first emitted "

@@ -19,7 +19,7 @@ ADAPTER = EngineInfo(
         "prefix_cache": ("full", "swa", "swa_full"),
         "api_reuse": ("full", "swa", "swa_full"),
         "generation": ("window", "sink"),
-        "speculative": ("full", "swa", "swa_full"),
+        "draft_decoding": ("full", "swa", "swa_full"),
     },
     max_chunk=512,
     self_evicting=("swa",),

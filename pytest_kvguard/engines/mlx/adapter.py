@@ -21,7 +21,7 @@ ADAPTER = EngineInfo(
         "prefix_cache": ("full", "swa"),
         "api_reuse": ("full", "swa"),
         "generation": ("window", "sink", "engine_default"),
-        "speculative": ("full", "window", "sink", "swa", "engine_default"),
+        "draft_decoding": ("full", "window", "sink", "swa", "engine_default"),
     },
     position_modes=("absolute",),
     fixed_evict_step=1,

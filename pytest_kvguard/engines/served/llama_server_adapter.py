@@ -15,7 +15,7 @@ ADAPTER = EngineInfo(
     policies={
         "prefix_cache": ("full", "swa", "swa_full"),
         "generation": ("window", "sink", "engine_default"),
-        "speculative": ("full", "swa", "swa_full"),
+        "draft_decoding": ("full", "swa", "swa_full"),
     },
     position_modes=("reindexed",),
     model_forms=("gguf", "url"),
