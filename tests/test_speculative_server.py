@@ -39,17 +39,16 @@ checks:
 
 def test_rounds_are_placed_in_the_context_from_the_log() -> None:
     """#tokens counts the cache's cells before the round: its first draft is the next reply
-    token; a context shift's n_discard is added back."""
+    token."""
     log = "\n".join([
         "handle_last_: generate_draft: id=18, #tokens=160, #draft=3, pos_next=160",
         "operator(): add accepted tokens: sampled=656, ids.size=1, n_draft=3",
         "handle_last_: generate_draft: id=656, #tokens=161, #draft=3, pos_next=161",
         "operator(): add accepted tokens: sampled=18, ids.size=4, n_draft=3",
-        "slot context shift, n_keep = 4, n_left = 250, n_discard = 125",
-        "handle_last_: generate_draft: id=7, #tokens=131, #draft=2, pos_next=131",
+        "handle_last_: generate_draft: id=7, #tokens=165, #draft=2, pos_next=165",
         "operator(): add accepted tokens: sampled=9, ids.size=2, n_draft=2",
     ])  # fmt: skip
-    assert rounds_of(log, 160) == [(1, 3, 0), (2, 3, 3), (97, 2, 1)]
+    assert rounds_of(log, 160) == [(1, 3, 0), (2, 3, 3), (6, 2, 1)]
     args = DraftSettings(512, draft_model=Path("d.gguf"), num_draft=3).args()
     assert args[args.index("--model-draft") + 1] == "d.gguf"
     assert args[args.index("--spec-draft-n-max") + 1] == "3"

@@ -23,9 +23,9 @@ What the server reports, and what it does not:
   each round at ``--log-verbosity 5`` (``generate_draft: ... #tokens=N, #draft=D``, then
   ``add accepted tokens: ... ids.size=A+1, n_draft=D``; its ``accepted A/D`` line is missing
   for a round that reaches ``n_predict``), so a draft server is started at that verbosity and
-  the rounds are read from its log, with each context shift's ``n_discard`` added back to place
-  them in the context. A server that turns drafting off (``speculative decoding not supported
-  by this context``) logs no round: the scenario then errors (no draft was made).
+  the rounds are read from its log (they must add up to ``draft_n``). A server that turns
+  drafting off (``speculative decoding not supported by this context``, logged when it loads
+  the model) is refused with that line.
 """
 
 from __future__ import annotations
@@ -57,7 +57,6 @@ LOG_WAIT = 10.0
 """Seconds to wait for the server's log of a request to reach its end."""
 _DRAFT = re.compile(r"generate_draft: id=-?\d+, #tokens=(\d+), #draft=(\d+)")
 _ACCEPTED = re.compile(r"add accepted tokens: sampled=-?\d+, ids\.size=(\d+), n_draft=(\d+)")
-_SHIFT = re.compile(r"slot context shift, n_keep = \d+, n_left = \d+, n_discard = (\d+)")
 _TURNED_OFF = re.compile(r"[^\n]*speculative decoding (?:is )?not supported[^\n]*")
 
 
@@ -92,55 +91,36 @@ def draft_path(engine: LlamaServerEngine, draft: str) -> Path:
 
 
 def _settings(
-    engine: LlamaServerEngine, policy: Policy, prompt: int, new_tokens: int, num_draft: int,
-    draft_model: Path | None,
-) -> tuple[DraftSettings | ServerSettings, dict[str, Any]]:  # fmt: skip
-    """The server for the policy and the request fields it implies. full / swa / swa_full: a
-    context that holds prompt and reply (Gemma 3's sliding layers get the server's small SWA
-    cache on swa, all of it with ``--swa-full`` on full and swa_full); a capped policy:
-    ``--ctx-size cap + 1`` and ``--context-shift``, with n_keep and n_discard as the
-    generation path sends them."""
-    common: dict[str, Any] = {"cache_type_k": policy.cache_type_k,
-                              "cache_type_v": policy.cache_type_v}  # fmt: skip
-    extra: dict[str, Any] = {}
-    if policy.cap is None:
-        if policy.kind not in ("full", "swa", "swa_full"):
-            raise KvguardError(f"llama-server's speculative path has no policy {policy.kind}")
-        n_ctx = prompt + new_tokens + num_draft + 2
-        # full: every layer's cache full-size (--swa-full on sliding layers, as
-        # llama-cpp-python's default); swa: the server's default, its small SWA cache.
-        common["swa_full"] = policy.kind in ("full", "swa_full")
-    else:
-        if prompt >= policy.cap:
-            raise KvguardError(
-                f"the prompt ({prompt} tokens) does not fit the cap {policy.cap}: llama-server "
-                "refuses a prompt longer than its context",
-                fix="lower params.prompt below the cap", key="params.prompt",
-            )  # fmt: skip
-        n_ctx = policy.cap + 1
-        common["context_shift"] = True
-        keep, discard = engine._keep_and_discard(policy)
-        if keep is not None:
-            extra = {"n_keep": keep, "n_discard": discard}
+    policy: Policy, prompt: int, new_tokens: int, num_draft: int, draft_model: Path | None
+) -> ServerSettings:
+    """The server for the policy: a context that holds prompt and reply (the adapter offers
+    full, swa and swa_full only: with a context shift, llama-server drafts at most
+    ``n_ctx - n_tokens - 2`` tokens, so a one-token shift never drafts past the cap). Gemma 3's
+    sliding layers get the server's small SWA cache on swa, all of it with ``--swa-full`` on
+    full (as llama-cpp-python's default) and swa_full."""
+    if policy.kind not in ("full", "swa", "swa_full"):
+        raise KvguardError(f"llama-server's speculative path has no policy {policy.kind}")
+    common: dict[str, Any] = {
+        "cache_type_k": policy.cache_type_k, "cache_type_v": policy.cache_type_v,
+        "swa_full": policy.kind in ("full", "swa_full"),
+    }  # fmt: skip
+    n_ctx = prompt + new_tokens + num_draft + 2
     if draft_model is None:
-        return ServerSettings(n_ctx, **common), extra
-    return DraftSettings(n_ctx, draft_model=draft_model, num_draft=num_draft, **common), extra
+        return ServerSettings(n_ctx, **common)
+    return DraftSettings(n_ctx, draft_model=draft_model, num_draft=num_draft, **common)
 
 
 def _complete(
-    engine: LlamaServerEngine, settings: ServerSettings, prompt: Sequence[int], new_tokens: int,
-    extra: dict[str, Any],
+    engine: LlamaServerEngine, settings: ServerSettings, prompt: Sequence[int], new_tokens: int
 ) -> tuple[list[int], np.ndarray, np.ndarray, float, dict[str, Any], str, list[int]]:  # fmt: skip
     """One greedy ``/completion``: the emitted ids, their log probabilities and top-2 margins
     (NaN where the server gave none), the request's seconds, its ``timings`` and what the
     server logged meanwhile."""
     http = engine.serve(settings)
-    if settings.context_shift:
-        engine._check_context(settings)
     body: dict[str, Any] = {
         "prompt": list(prompt), "n_predict": new_tokens, "cache_prompt": False,
         "n_probs": 2, "post_sampling_probs": False, "temperature": 0.0, "ignore_eos": True,
-        "id_slot": SLOT, **extra,
+        "id_slot": SLOT,
     }  # fmt: skip
     server = engine.server
     log_start = len(server.log_text()) if server is not None else 0
@@ -201,16 +181,12 @@ def rounds_of(log: str, prompt: int) -> list[tuple[int, int, int]]:
     """(index of the first token a round emits, drafted, accepted) from a draft server's
     round log (``ROUND_LOG_VERBOSITY``). A round starts with the cache holding ``#tokens``
     cells (its token before the drafts not yet among them), so its first draft is token
-    ``#tokens + discarded - prompt + 1`` of the reply, where ``discarded`` counts the cells
-    context shifts removed before it."""
+    ``#tokens - prompt + 1`` of the reply."""
     rounds: list[tuple[int, int, int]] = []
-    discarded = 0
     start: int | None = None
     for line in log.splitlines():
-        if shift := _SHIFT.search(line):
-            discarded += int(shift.group(1))
-        elif begun := _DRAFT.search(line):
-            start = int(begun.group(1)) + discarded - prompt + 1
+        if begun := _DRAFT.search(line):
+            start = int(begun.group(1)) - prompt + 1
         elif (done := _ACCEPTED.search(line)) and start is not None:
             # ids: the accepted drafts and the target's own next token.
             rounds.append((start, int(done.group(2)), int(done.group(1)) - 1))
@@ -224,9 +200,8 @@ def speculate(
 ) -> Decoded:  # fmt: skip
     """See ``protocols.Speculates.speculate``: the plain path on a server without a draft, the
     draft path on one started with it (``DraftSettings``), each one ``/completion`` request
-    with ``cache_prompt: false``. The draft path's rounds are read from the server's log; where
-    it logs none but ``timings`` counts drafts (a server that logs otherwise), one round
-    ``(0, draft_n, draft_n_accepted)`` stands for them all."""
+    with ``cache_prompt: false``. The draft path's rounds are read from the server's log and
+    must add up to what its ``timings`` count."""
     if prefilled:
         raise KvguardError("llama-server's speculative path starts from its own prompt")
     if engine.url:
@@ -235,17 +210,17 @@ def speculate(
             "has the draft it was started with", fix="give the check a GGUF model",
         )  # fmt: skip
     path = None if draft is None else draft_path(engine, draft)
-    settings, extra = _settings(engine, policy, len(prompt), new_tokens, num_draft, path)
+    settings = _settings(policy, len(prompt), new_tokens, num_draft, path)
     tokens, logprobs, margins, seconds, timings, log, runners_up = _complete(
-        engine, settings, prompt, new_tokens, extra
+        engine, settings, prompt, new_tokens
     )
     rounds: list[tuple[int, int, int]] = []
     if path is not None:
         rounds = rounds_of(log, len(prompt))
         drafted = int(timings.get("draft_n") or 0)
-        if not rounds and drafted:
-            rounds = [(0, drafted, int(timings.get("draft_n_accepted") or 0))]
-        elif rounds and sum(r[1] for r in rounds) != drafted:
+        # Rounds placed in the reply or none: a round log that does not add up to the server's
+        # own count (or is missing while it drafted) cannot say where the drafts fell.
+        if sum(r[1] for r in rounds) != drafted:
             raise EngineError(
                 f"llama-server logged {sum(r[1] for r in rounds)} drafted tokens in "
                 f"{len(rounds)} rounds where its timings count {drafted}"
@@ -274,7 +249,7 @@ def verification_noise(
     plain one, a near tie flipped: the plain margin there is part of the noise."""
     batch = num_draft + 1
     tokens = plain.tokens
-    settings, _ = _settings(engine, Policy("full"), len(prompt), len(tokens), num_draft, None)
+    settings = _settings(Policy("full"), len(prompt), len(tokens), num_draft, None)
     http = engine.serve(settings)
     lp_gap = margin_gap = 0.0
     for phase in range(batch):
